@@ -1,0 +1,358 @@
+"""The cudal2 command line: parse, call, print."""
+
+from __future__ import annotations
+
+import functools
+import json
+import math
+import sys
+import warnings
+from pathlib import Path
+from typing import Annotated, Any, Optional
+
+import pandas as pd
+import typer
+from rich.console import Console
+from rich.table import Table
+
+from . import render as render_stage
+from .candidate import Candidate
+from .compile import Compiler, find_nvcc
+from .config import load_settings
+from .environment import default_arch
+from .errors import Cudal2Error
+from .leaderboard import BASELINES, STATUSES, Leaderboard, best, select
+from .pipeline import Context, evaluate, measure_baselines, new_run_id
+from .problem import DTYPES, LAYOUTS, Problem
+from .worker import Worker
+
+app = typer.Typer(add_completion=False, no_args_is_help=True,
+                  help="Find the fastest HGEMM kernel for your shapes on your GPU, honestly measured.")
+console = Console(highlight=False)
+err_console = Console(stderr=True, highlight=False)
+
+M = Annotated[str, typer.Option("--m", help="rows of A and C")]
+N = Annotated[str, typer.Option("--n", help="columns of B and C")]
+K = Annotated[str, typer.Option("--k", help="the reduction dimension")]
+Dtype = Annotated[str, typer.Option(help=f"element type of A, B and C: {' | '.join(DTYPES)}")]
+Layout = Annotated[str, typer.Option(help="nn: A[M,K] @ B[K,N]; nt: A[M,K] @ W[N,K]^T")]
+Json = Annotated[bool, typer.Option("--json", help="print JSON for scripts")]
+Results = Annotated[Optional[Path], typer.Option(help="results directory (leaderboard, sources)")]
+Arch = Annotated[Optional[str], typer.Option(help="nvcc target, e.g. sm_90a (default: the GPU's)")]
+TemplateOpt = Annotated[Optional[str], typer.Option("--template", help="a template name (see `cudal2 templates`)")]
+Params = Annotated[Optional[list[str]], typer.Option(
+    "--param", help="KEY=VALUE for --template, repeatable; KEY=V1,V2 tries each value (a grid)")]
+Kernels = Annotated[Optional[list[Path]], typer.Option("--kernel", help="a free-form .cu file implementing the ABI, repeatable")]
+
+
+def cli_errors(fn):
+    """Turns the project's expected failures into one line on stderr and exit code 1."""
+
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("always")
+                warnings.showwarning = lambda msg, *a, **k: typer.echo(f"warning: {msg}", err=True)
+                return fn(*args, **kwargs)
+        except Cudal2Error as exc:
+            typer.echo(f"error: {exc}", err=True)
+            raise typer.Exit(1) from None
+
+    return wrapper
+
+
+def parse_params(items: list[str] | None) -> dict[str, list[str]]:
+    """['block_m=64,128', 'stages=4'] -> {'block_m': ['64', '128'], 'stages': ['4']}."""
+    params = {}
+    for item in items or []:
+        key, sep, value = item.partition("=")
+        values = [v.strip() for v in value.split(",") if v.strip()]
+        if not sep or not key.strip() or not values:
+            raise Cudal2Error(f"--param takes KEY=VALUE, got {item!r}")
+        params[key.strip()] = values
+    return params
+
+
+def read_kernel_file(path: Path) -> Candidate:
+    try:
+        return Candidate.from_source(path.read_text(), label=path.name)
+    except OSError as exc:
+        raise Cudal2Error(f"cannot read kernel file {path}: {exc.strerror}") from None
+
+
+def show_table(headers: list[str], rows: list[list[str]]) -> None:
+    """A Rich table on a terminal; plain aligned lines otherwise (logs, pipes, CI)."""
+    if console.is_terminal:
+        table = Table()
+        for header in headers:
+            table.add_column(header, overflow="fold")
+        for row in rows:
+            table.add_row(*row)
+        console.print(table)
+        return
+    widths = [max(len(h), *(len(r[i]) for r in rows)) if rows else len(h) for i, h in enumerate(headers)]
+    for line in [headers, *rows]:
+        print("  ".join(cell.ljust(w) for cell, w in zip(line, widths)).rstrip())
+
+
+def fmt(value: Any, digits: int = 2) -> str:
+    if value is None or (isinstance(value, float) and math.isnan(value)):
+        return "-"
+    return f"{value:.{digits}f}" if isinstance(value, float) else str(value)
+
+
+def jsonable(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    def clean(v: Any) -> Any:
+        if isinstance(v, float) and math.isnan(v):
+            return None
+        if hasattr(v, "isoformat"):
+            return v.isoformat()
+        if hasattr(v, "item"):
+            return v.item()
+        return v
+
+    return [{k: clean(v) for k, v in row.items()} for row in rows]
+
+
+# ------------------------------------------------------------------------------ bench
+
+def known_candidates(problem: Problem, leaderboard: Leaderboard, cc: int) -> list[Candidate]:
+    """The leaderboard's verified kernels for this problem plus every applicable template's
+    default configuration: what `bench` measures when no kernel is named."""
+    known = select(leaderboard.read(), m=problem.m, n=problem.n, k=problem.k, dtype=problem.dtype,
+                   layout=problem.layout, status="ok")
+    known = known[~known["kernel"].isin(BASELINES)].drop_duplicates("source_hash")
+    found = []
+    for row in known.itertuples():
+        if row.template:
+            found.append(Candidate.from_template(row.template, json.loads(row.params)))
+        else:
+            found.append(Candidate.from_source(leaderboard.source(row.source_hash), label=row.kernel))
+    for name, tmpl in render_stage.load_templates().items():
+        if tmpl.supports(problem, cc):
+            found.append(render_stage.template_candidate(name, {}, cc))
+    return list(dict.fromkeys(found))
+
+
+def first_error_line(log: str) -> str:
+    lines = [line.strip() for line in log.splitlines() if line.strip()]
+    return next((line for line in lines if "error" in line.lower()), lines[-1] if lines else "no output")
+
+
+@app.command()
+@cli_errors
+def bench(
+    m: M, n: N, k: K,
+    dtype: Dtype = "fp16",
+    layout: Layout = "nn",
+    mode: Annotated[str, typer.Option(help="offline (warm, back to back) | server (cold L2, idle gaps) | both")] = "offline",
+    kernel: Kernels = None,
+    template: TemplateOpt = None,
+    param: Params = None,
+    budget: Annotated[Optional[float], typer.Option(help="seconds of timing per mode and kernel")] = None,
+    qps: Annotated[Optional[float], typer.Option(help="server mode: mean calls per second")] = None,
+    results: Results = None,
+    arch: Arch = None,
+    json_out: Json = False,
+) -> None:
+    """Measure kernels against cuBLAS (and torch.matmul) on one problem, on this GPU.
+
+    Without --kernel or --template: the leaderboard's kernels for this problem and every
+    template's default configuration. Every kernel is verified first (untrusted code: see
+    the README), then timed interleaved with cuBLAS in the same process; the speedup is the
+    ratio from that run. Measured rows are added to the leaderboard.
+    """
+    if mode not in ("offline", "server", "both"):
+        raise Cudal2Error(f"unknown mode {mode!r}; choose offline, server or both")
+    problem = Problem.parse(m, n, k, dtype, layout)
+    settings = load_settings({"budget": budget, "qps": qps, "results": results, "arch": arch})
+    grid = parse_params(param)
+    if grid and not template:
+        raise Cudal2Error("--param needs --template")
+    if template:
+        render_stage.get_template(template)
+    named = [read_kernel_file(p) for p in kernel or []]
+    find_nvcc()
+    leaderboard = Leaderboard(settings.results)
+    leaderboard.read()  # an unreadable leaderboard fails now, not after the measurements
+    with Worker(settings.device) as worker:
+        cc = render_stage.arch_cc(settings.arch) if settings.arch else worker.start()["cc"]
+        compiler = Compiler(settings.arch or default_arch(cc), settings.cache_dir, settings.jobs, settings.timeout)
+        if template:
+            named += render_stage.template_grid(template, grid, cc)
+        # What the user named must build; say so plainly, before any GPU time is spent.
+        for candidate, build in zip(named, compiler.compile_all([render_stage.render(c, problem) for c in named])):
+            if build.status != "ok":
+                raise Cudal2Error(f"{candidate} does not compile ({build.status}): {first_error_line(build.log)}")
+        env = worker.start()
+        candidates = named or known_candidates(problem, leaderboard, env["cc"])
+        ctx = Context(problem, settings, worker, compiler, leaderboard, new_run_id(), mode=mode)
+        if not json_out:
+            console.print(f"{problem} on {env['gpu']} (sm_{env['cc']}), {mode} mode, {len(candidates)} kernel(s)")
+        rows = measure_baselines(ctx)
+        rows += list(evaluate(ctx, candidates))
+    if json_out:
+        print(json.dumps({"problem": problem.__dict__, "environment": env, "rows": jsonable(rows)}, indent=1))
+    else:
+        print_bench_table(rows, ["offline", "server"] if mode == "both" else [mode])
+
+
+def print_bench_table(rows: list[dict[str, Any]], modes: list[str]) -> None:
+    headers = ["kernel", "status"]
+    for md in modes:
+        headers += [f"{md} us", "p20/p80"]
+    headers.append("TFLOP/s")
+    headers += [f"speedup ({md})" if len(modes) > 1 else "speedup vs cuBLAS" for md in modes]
+    lines = []
+    for row in rows:
+        status = row["status"]
+        if status != "ok":
+            status += ": " + ((row.get("error") or "").strip().splitlines() or [""])[0][:120]
+        cells = [row["kernel"], status]
+        for md in modes:
+            cells += [fmt(row.get(f"{md}_us")), f"{fmt(row.get(f'{md}_p20_us'))}/{fmt(row.get(f'{md}_p80_us'))}"]
+        cells.append(fmt(row.get("tflops"), 1))
+        cells += [fmt(row.get(f"speedup_{md}"), 3) for md in modes]
+        lines.append(cells)
+    show_table(headers, lines)
+
+
+# ------------------------------------------------------------------------ leaderboard
+
+@app.command("leaderboard")
+@cli_errors
+def leaderboard_cmd(
+    m: Annotated[Optional[int], typer.Option("--m")] = None,
+    n: Annotated[Optional[int], typer.Option("--n")] = None,
+    k: Annotated[Optional[int], typer.Option("--k")] = None,
+    gpu: Annotated[Optional[str], typer.Option(help="GPU name, as recorded (e.g. 'NVIDIA H200')")] = None,
+    dtype: Annotated[Optional[str], typer.Option()] = None,
+    layout: Annotated[Optional[str], typer.Option()] = None,
+    status: Annotated[Optional[str], typer.Option(help=f"show rows of this status: {' | '.join(STATUSES)}")] = None,
+    top: Annotated[int, typer.Option(help="kernels per problem")] = 1,
+    format: Annotated[str, typer.Option(help="table | csv | json | markdown")] = "table",
+    results: Results = None,
+) -> None:
+    """Show the best verified kernel per problem with its speedup over cuBLAS.
+
+    With --status, show the rows of that status instead (for example the cheats and why).
+    """
+    if format not in ("table", "csv", "json", "markdown"):
+        raise Cudal2Error(f"unknown format {format!r}; choose table, csv, json or markdown")
+    if status is not None and status not in STATUSES:
+        raise Cudal2Error(f"unknown status {status!r}; choose one of {', '.join(STATUSES)}")
+    if top < 1:
+        raise Cudal2Error(f"--top must be >= 1, got {top}")
+    settings = load_settings({"results": results})
+    df = select(Leaderboard(settings.results).read(), m=m, n=n, k=k, gpu=gpu, dtype=dtype, layout=layout)
+    keys = ["gpu", "m", "n", "k", "dtype", "layout"]
+    if status is None:
+        df = best(df, top)
+        columns = keys + ["kernel", "offline_us", "cublas_offline_us", "speedup_offline", "tflops",
+                          "server_us", "speedup_server", "time"]
+    else:
+        df = df[df["status"] == status].sort_values(keys + ["time"]).groupby(keys, dropna=False).head(top)
+        columns = keys + ["kernel", "status", "error", "time"]
+    df = df.sort_values(keys)[columns]
+    emit_frame(df, format)
+
+
+def emit_frame(df: pd.DataFrame, format: str) -> None:
+    if format == "csv":
+        sys.stdout.write(df.to_csv(index=False))
+    elif format == "json":
+        print(json.dumps(jsonable(df.to_dict("records")), indent=1))
+    elif format == "markdown":
+        cells = [[fmt(v, 3) for v in row] for row in df.itertuples(index=False)]
+        print("| " + " | ".join(df.columns) + " |")
+        print("|" + "---|" * len(df.columns))
+        for row in cells:
+            print("| " + " | ".join(c.replace("|", "\\|").replace("\n", " ") for c in row) + " |")
+    elif df.empty:
+        print("no results match")
+    else:
+        show_table(list(df.columns), [
+            [fmt(v, 3) if not hasattr(v, "isoformat") else f"{v:%Y-%m-%d %H:%M}" for v in row]
+            for row in df.itertuples(index=False)])
+
+
+# ---------------------------------------------------------------------------- compile
+
+@app.command("compile")
+@cli_errors
+def compile_cmd(
+    template: TemplateOpt = None,
+    param: Params = None,
+    kernel: Kernels = None,
+    all_configs: Annotated[bool, typer.Option("--all", help="every valid configuration of --template")] = False,
+    dtype: Dtype = "fp16",
+    layout: Layout = "nn",
+    arch: Arch = None,
+    jobs: Annotated[Optional[int], typer.Option(help="parallel nvcc processes")] = None,
+    json_out: Json = False,
+) -> None:
+    """Render and compile without a GPU, filling the kernel cache (e.g. on a CPU build host)."""
+    settings = load_settings({"arch": arch, "jobs": jobs})
+    if settings.arch is None:
+        raise Cudal2Error("compile needs --arch (e.g. sm_90a) or CUDAL2_ARCH")
+    cc = render_stage.arch_cc(settings.arch)
+    problem = Problem(1, 1, 1, dtype, layout)  # only dtype and layout shape the source
+    candidates = [read_kernel_file(p) for p in kernel or []]
+    if template:
+        tmpl = render_stage.get_template(template)
+        if all_configs:
+            if param:
+                raise Cudal2Error("--all compiles the whole space; drop --param")
+            candidates += [Candidate.from_template(template, p) for p in tmpl.space.configurations(cc)]
+        else:
+            candidates += render_stage.template_grid(template, parse_params(param), cc)
+    elif param or all_configs:
+        raise Cudal2Error("--param and --all need --template")
+    if not candidates:
+        raise Cudal2Error("nothing to compile: give --template NAME or --kernel FILE")
+    find_nvcc()
+    compiler = Compiler(settings.arch, settings.cache_dir, settings.jobs, settings.timeout)
+    builds = compiler.compile_all([render_stage.render(c, problem) for c in candidates])
+    records = [
+        {"kernel": str(c), "status": b.status, "cached": b.cached, "seconds": round(b.seconds, 2),
+         **b.stats, "library": str(b.library) if b.library else None,
+         "error": None if b.status == "ok" else b.log[-2000:]}
+        for c, b in zip(candidates, builds)
+    ]
+    columns = ["kernel", "status", "cached", "seconds", "registers", "smem_bytes", "spill_bytes"]
+    if json_out:
+        print(json.dumps(records, indent=1))
+    else:
+        show_table(columns, [[fmt(r[c]) for c in columns] for r in records])
+        for r in records:
+            if r["error"]:
+                err_console.print(f"{r['kernel']}: {r['error'].strip().splitlines()[-1] if r['error'].strip() else r['status']}")
+    if any(b.status != "ok" for b in builds):
+        raise typer.Exit(1)
+
+
+# -------------------------------------------------------------------------- templates
+
+@app.command()
+@cli_errors
+def templates(json_out: Json = False) -> None:
+    """List the kernel templates and their parameter spaces."""
+    found = render_stage.load_templates()
+    if json_out:
+        print(json.dumps({
+            name: {"description": t.space.description, "min_cc": t.space.min_cc, "max_cc": t.space.max_cc,
+                   "dtypes": t.space.dtypes, "layouts": t.space.layouts, "constraints": t.space.constraints,
+                   "params": {p.name: {"values": p.values, "default": p.default, "help": p.help}
+                              for p in t.space.params.values()}}
+            for name, t in found.items()}, indent=1))
+        return
+    for name, t in found.items():
+        print(f"{name}: {t.space.description}")
+        show_table(["parameter", "values", "default", "meaning"],
+                   [[p.name, ", ".join(map(str, p.values)), str(p.default), p.help] for p in t.space.params.values()])
+        print("constraints: " + "; ".join(t.space.constraints))
+
+
+def main() -> None:
+    app()

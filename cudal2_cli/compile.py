@@ -1,0 +1,219 @@
+"""Compile: nvcc to a shared library, cached by content, in parallel, with a timeout."""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import json
+import os
+import re
+import shutil
+import subprocess
+import tempfile
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from .errors import Cudal2Error
+
+BASE_FLAGS = (
+    "-O3", "-std=c++17", "-shared", "-Xcompiler", "-fPIC", "-cudart", "shared",
+    "--expt-relaxed-constexpr", "-Xptxas", "-v",
+)
+LIBRARY = "kernel.so"
+
+
+@dataclass
+class Build:
+    """The outcome of one compile: a library, or the log saying why not."""
+
+    key: str
+    status: str  # ok | compile_error | timeout
+    library: Path | None
+    log: str
+    seconds: float
+    cached: bool = False
+    registers: int | None = None
+    smem_bytes: int | None = None
+    spill_bytes: int | None = None
+    stack_bytes: int | None = None
+    exports: list[str] = field(default_factory=list)
+    imports: list[str] = field(default_factory=list)
+
+    @property
+    def stats(self) -> dict[str, int | None]:
+        return {
+            "registers": self.registers,
+            "smem_bytes": self.smem_bytes,
+            "spill_bytes": self.spill_bytes,
+            "stack_bytes": self.stack_bytes,
+        }
+
+
+def find_nvcc() -> str:
+    """$CUDAL2_NVCC, else nvcc on PATH, else under $CUDA_HOME or $CUDA_PATH."""
+    places = [os.environ.get("CUDAL2_NVCC"), shutil.which("nvcc")]
+    places += [str(Path(os.environ[v]) / "bin" / "nvcc") for v in ("CUDA_HOME", "CUDA_PATH") if v in os.environ]
+    nvcc = next((p for p in places if p and os.access(p, os.X_OK)), None)
+    if nvcc is None:
+        raise Cudal2Error("nvcc not found: install the CUDA toolkit and put nvcc on PATH (or set CUDA_HOME)")
+    return nvcc
+
+
+@functools.cache
+def nvcc_version() -> str:
+    out = subprocess.run([find_nvcc(), "--version"], capture_output=True, text=True).stdout
+    match = re.search(r"release ([\d.]+), V([\d.]+)", out)
+    return match.group(2) if match else out.strip().splitlines()[-1]
+
+
+@functools.cache
+def cutlass_include() -> tuple[Path, ...]:
+    """CUTLASS/CuTe include folders: $CUTLASS_DIR, else the nvidia-cutlass package's."""
+    if root := os.environ.get("CUTLASS_DIR"):
+        base = Path(root)
+    else:
+        try:
+            import cutlass_library
+        except ImportError:
+            return ()
+        base = Path(cutlass_library.__file__).parent / "source"
+    dirs = (base / "include", base / "tools" / "util" / "include")
+    return tuple(d for d in dirs if d.is_dir())
+
+
+@functools.cache
+def cutlass_version() -> str:
+    for inc in cutlass_include():
+        header = inc / "cutlass" / "version.h"
+        if header.is_file():
+            text = header.read_text()
+            parts = [re.search(rf"#define CUTLASS_{p} (\d+)", text) for p in ("MAJOR", "MINOR", "PATCH")]
+            if all(parts):
+                return ".".join(m.group(1) for m in parts)
+    return "none"
+
+
+def flags(arch: str) -> list[str]:
+    """Every flag that shapes the binary; part of the cache key."""
+    target = arch.removeprefix("sm_")
+    includes = [f"-I{d}" for d in cutlass_include()]
+    return [*BASE_FLAGS, f"-gencode=arch=compute_{target},code=sm_{target}", *includes]
+
+
+def cache_key(source: str, arch: str) -> str:
+    payload = json.dumps(
+        [source, [f for f in flags(arch) if not f.startswith("-I")], nvcc_version(),
+         cutlass_version(), arch]
+    )
+    return hashlib.sha256(payload.encode()).hexdigest()
+
+
+def parse_ptxas(log: str) -> dict[str, int]:
+    """Worst case over the library's kernels: registers, shared memory, spills, stack."""
+    stats = {"registers": 0, "smem_bytes": 0, "spill_bytes": 0, "stack_bytes": 0}
+    for m in re.finditer(r"Used (\d+) registers(?:.*?(\d+) bytes smem)?", log):
+        stats["registers"] = max(stats["registers"], int(m.group(1)))
+        if m.group(2):
+            stats["smem_bytes"] = max(stats["smem_bytes"], int(m.group(2)))
+    for m in re.finditer(r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill loads", log):
+        stats["stack_bytes"] = max(stats["stack_bytes"], int(m.group(1)))
+        stats["spill_bytes"] = max(stats["spill_bytes"], int(m.group(2)) + int(m.group(3)))
+    return stats
+
+
+def library_symbols(library: Path) -> tuple[list[str], list[str]]:
+    """(exported, imported) dynamic symbols of a shared library, versions stripped."""
+    nm = shutil.which("nm")
+    if nm is None:
+        raise Cudal2Error("nm (binutils) not found: it is needed to inspect compiled kernels")
+    out = subprocess.run([nm, "-D", str(library)], capture_output=True, text=True, check=True).stdout
+    exports, imports = [], []
+    for line in out.splitlines():
+        parts = line.split()
+        kind, name = parts[-2], parts[-1].split("@")[0]
+        (imports if kind in ("U", "w", "v") else exports).append(name)
+    return sorted(set(exports)), sorted(set(imports))
+
+
+def default_cache_dir() -> Path:
+    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
+    return Path(base) / "cudal2"
+
+
+class Compiler:
+    """Compiles sources to libraries under `cache_dir/kernels/<key>/`, each written once.
+
+    A finished entry holds the source, the library (if any) and build.json; it is built in
+    a temporary folder and renamed into place, so readers never see half an entry and two
+    processes compiling the same source race harmlessly.
+    """
+
+    def __init__(self, arch: str, cache_dir: Path | None = None, jobs: int | None = None,
+                 timeout: float = 600.0):
+        self.arch = arch
+        self.root = (cache_dir or default_cache_dir()) / "kernels"
+        self.jobs = jobs or os.cpu_count() or 1
+        self.timeout = timeout
+
+    def entry(self, key: str) -> Path:
+        return self.root / key[:2] / key
+
+    def lookup(self, source: str) -> Build | None:
+        """The cached build of `source`, or None."""
+        key = cache_key(source, self.arch)
+        meta = self.entry(key) / "build.json"
+        if not meta.is_file():
+            return None
+        build = Build(**json.loads(meta.read_text()), library=None, cached=True)
+        if build.status == "ok":
+            build.library = self.entry(key) / LIBRARY
+        return build
+
+    def compile(self, source: str) -> Build:
+        """One source to a library; a compile error or timeout is a Build, not an exception."""
+        if (hit := self.lookup(source)) is not None:
+            return hit
+        key = cache_key(source, self.arch)
+        self.root.mkdir(parents=True, exist_ok=True)
+        work = Path(tempfile.mkdtemp(prefix=f".{key[:12]}-", dir=self.root))
+        (work / "kernel.cu").write_text(source)
+        cmd = [find_nvcc(), *flags(self.arch), "kernel.cu", "-o", LIBRARY]
+        start = time.monotonic()
+        try:
+            proc = subprocess.run(cmd, cwd=work, capture_output=True, text=True, timeout=self.timeout)
+        except subprocess.TimeoutExpired:
+            shutil.rmtree(work, ignore_errors=True)
+            return Build(key, "timeout", None, f"nvcc exceeded {self.timeout:.0f} s", self.timeout)
+        seconds = time.monotonic() - start
+        log = proc.stdout + proc.stderr
+        build = Build(key, "ok" if proc.returncode == 0 else "compile_error", None, log, seconds,
+                      **parse_ptxas(log) if proc.returncode == 0 else {})
+        if build.status == "ok":
+            build.exports, build.imports = library_symbols(work / LIBRARY)
+            if "cudal2_gemm" not in build.exports:
+                build.status = "compile_error"
+                build.log += "\nthe library does not export cudal2_gemm (extern \"C\" int cudal2_gemm(...))"
+                (work / LIBRARY).unlink()
+        record = {k: v for k, v in asdict(build).items() if k not in ("library", "cached")}
+        (work / "build.json").write_text(json.dumps(record, indent=1))
+        self._publish(work, key)
+        published = self.lookup(source)
+        published.cached = False  # this call ran nvcc (or raced another that did)
+        return published
+
+    def _publish(self, work: Path, key: str) -> None:
+        final = self.entry(key)
+        final.parent.mkdir(parents=True, exist_ok=True)
+        try:
+            work.rename(final)
+        except OSError:  # another process published the same key first
+            shutil.rmtree(work, ignore_errors=True)
+
+    def compile_all(self, sources: list[str]) -> list[Build]:
+        """Many sources in parallel (one nvcc per job slot); identical sources compile once."""
+        unique = list(dict.fromkeys(sources))
+        with ThreadPoolExecutor(max_workers=max(1, min(self.jobs, len(unique)))) as pool:
+            builds = dict(zip(unique, pool.map(self.compile, unique)))
+        return [builds[s] for s in sources]

@@ -1,0 +1,68 @@
+"""The environment every measurement is recorded with: GPU, clocks, driver and toolchain."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+from typing import Any
+
+from . import compile as compile_stage
+
+
+def _nvidia_smi(device: int) -> dict[str, str]:
+    """Current and maximum SM clock and the driver version, if nvidia-smi answers."""
+    smi = shutil.which("nvidia-smi")
+    if smi is None:
+        return {}
+    fields = "clocks.sm,clocks.max.sm,driver_version"
+    try:
+        out = subprocess.run(
+            [smi, f"--id={device}", f"--query-gpu={fields}", "--format=csv,noheader,nounits"],
+            capture_output=True, text=True, timeout=20,
+        ).stdout.strip()
+    except (OSError, subprocess.TimeoutExpired):
+        return {}
+    values = [v.strip() for v in out.split(",")]
+    return dict(zip(fields.split(","), values)) if len(values) == 3 else {}
+
+
+def _int(text: str | None) -> int | None:
+    try:
+        return int(float(text)) if text else None
+    except ValueError:
+        return None
+
+
+def describe_device(device: int = 0) -> dict[str, Any]:
+    """Facts about the GPU, read where it is owned (the worker process)."""
+    import cupy
+
+    props = cupy.cuda.runtime.getDeviceProperties(device)
+    smi = _nvidia_smi(device)
+    runtime = cupy.cuda.runtime.runtimeGetVersion()
+    driver = cupy.cuda.runtime.driverGetVersion()
+    name = props["name"]
+    return {
+        "gpu": name.decode() if isinstance(name, bytes) else name,
+        "cc": props["major"] * 10 + props["minor"],
+        "sm_count": props["multiProcessorCount"],
+        "sm_clock_mhz": _int(smi.get("clocks.sm")),
+        "max_sm_clock_mhz": _int(smi.get("clocks.max.sm")) or props["clockRate"] // 1000,
+        "driver": smi.get("driver_version") or f"cuda {driver // 1000}.{driver % 1000 // 10}",
+        "cuda": f"{runtime // 1000}.{runtime % 1000 // 10}",
+        "cupy": cupy.__version__,
+        "l2_bytes": props["l2CacheSize"],
+        "smem_optin_bytes": props["sharedMemPerBlockOptin"],
+        "memory_clock_khz": props["memoryClockRate"],
+        "memory_bus_bits": props["memoryBusWidth"],
+    }
+
+
+def toolchain() -> dict[str, str]:
+    """Compiler-side versions, read on the host (no GPU needed)."""
+    return {"nvcc": compile_stage.nvcc_version(), "cutlass": compile_stage.cutlass_version()}
+
+
+def default_arch(cc: int) -> str:
+    """The nvcc target for a compute capability: 'a' variants where they unlock instructions."""
+    return f"sm_{cc}a" if cc in (90, 100) else f"sm_{cc}"

@@ -1,0 +1,134 @@
+"""Leaderboard: a directory of Parquet part files, the single source of truth for results."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import uuid
+import warnings
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+
+import pandas as pd
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from .errors import Cudal2Error
+
+STATUSES = ("ok", "unsupported", "compile_error", "wrong", "cheat", "crash", "timeout")
+BASELINES = ("cuBLAS", "torch.matmul")
+
+_I, _F, _S = pa.int64(), pa.float64(), pa.string()
+SCHEMA = pa.schema([
+    ("run_id", _S), ("time", pa.timestamp("us", tz="UTC")),
+    # environment
+    ("gpu", _S), ("cc", _I), ("sm_count", _I), ("sm_clock_mhz", _I), ("max_sm_clock_mhz", _I),
+    ("driver", _S), ("cuda", _S), ("nvcc", _S), ("cupy", _S), ("cutlass", _S), ("arch", _S),
+    # problem
+    ("m", _I), ("n", _I), ("k", _I), ("dtype", _S), ("layout", _S),
+    # candidate
+    ("kernel", _S), ("candidate_id", _S), ("template", _S), ("params", _S), ("source_hash", _S),
+    ("proposer", _S), ("model", _S),
+    # outcome
+    ("status", _S), ("error", _S),
+    ("registers", _I), ("smem_bytes", _I), ("spill_bytes", _I), ("stack_bytes", _I),
+    ("compile_s", _F), ("max_error", _F), ("tolerance", _F),
+    # timings (device time, microseconds) and the cuBLAS baseline from the same run
+    ("offline_us", _F), ("offline_p20_us", _F), ("offline_p80_us", _F), ("offline_samples", _I),
+    ("server_us", _F), ("server_p20_us", _F), ("server_p80_us", _F), ("server_samples", _I),
+    ("cublas_offline_us", _F), ("cublas_server_us", _F),
+    ("speedup_offline", _F), ("speedup_server", _F), ("tflops", _F),
+])
+COLUMNS = SCHEMA.names
+
+
+def source_hash(source: str) -> str:
+    return hashlib.sha256(source.encode()).hexdigest()
+
+
+class Leaderboard:
+    """Rows under `root/leaderboard/*.parquet`, kernel sources under `root/sources/<hash>.cu`.
+
+    Each append writes one part file under a temporary name and renames it, so an
+    interrupted run or a concurrent writer never leaves a half-written part behind.
+    """
+
+    def __init__(self, root: Path):
+        self.root = Path(root)
+        self.parts = self.root / "leaderboard"
+        self.sources = self.root / "sources"
+
+    def append(self, rows: list[dict[str, Any]]) -> Path | None:
+        if not rows:
+            return None
+        now = datetime.now(timezone.utc)
+        unknown = set().union(*rows) - set(COLUMNS)
+        if unknown:
+            raise ValueError(f"unknown leaderboard columns: {sorted(unknown)}")
+        table = pa.Table.from_pylist(
+            [{c: row.get(c, now if c == "time" else None) for c in COLUMNS} for row in rows],
+            schema=SCHEMA,
+        )
+        self._mkdir(self.parts)
+        name = f"part-{now:%Y%m%dT%H%M%S}-{uuid.uuid4().hex[:8]}.parquet"
+        tmp = self.parts / f".{name}.tmp"
+        pq.write_table(table, tmp)
+        os.replace(tmp, self.parts / name)
+        return self.parts / name
+
+    def store_source(self, source: str) -> str:
+        """Keeps a kernel source by content hash; returns the hash."""
+        digest = source_hash(source)
+        path = self.sources / f"{digest}.cu"
+        if not path.exists():
+            self._mkdir(self.sources)
+            tmp = path.with_suffix(f".{uuid.uuid4().hex[:8]}.tmp")
+            tmp.write_text(source)
+            os.replace(tmp, path)
+        return digest
+
+    def source(self, digest: str) -> str:
+        return (self.sources / f"{digest}.cu").read_text()
+
+    def read(self) -> pd.DataFrame:
+        """All rows; a part that is not a readable leaderboard part is skipped with a warning."""
+        if self.parts.exists() and not self.parts.is_dir():
+            raise Cudal2Error(f"leaderboard path {self.parts} is not a directory")
+        if self.parts.exists() and not os.access(self.parts, os.R_OK | os.X_OK):
+            raise Cudal2Error(f"cannot read leaderboard directory {self.parts}")
+        tables = []
+        for path in sorted(self.parts.glob("*.parquet")) if self.parts.exists() else []:
+            try:
+                table = pq.read_table(path)
+                if not set(COLUMNS) <= set(table.column_names):
+                    raise ValueError("not a cudal2 leaderboard part (columns differ)")
+                tables.append(table.select(COLUMNS).cast(SCHEMA))
+            except Exception as exc:  # a corrupt or foreign file costs itself, nothing else
+                warnings.warn(f"skipping {path.name}: {exc}", stacklevel=2)
+        if not tables:
+            return SCHEMA.empty_table().to_pandas()
+        return pa.concat_tables(tables).to_pandas()
+
+    def _mkdir(self, path: Path) -> None:
+        try:
+            path.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise Cudal2Error(f"cannot write leaderboard directory {path}: {exc.strerror}") from None
+
+
+def select(df: pd.DataFrame, **filters: Any) -> pd.DataFrame:
+    """Rows whose columns equal the given values (None means no filter)."""
+    for column, value in filters.items():
+        if value is not None:
+            df = df[df[column] == value]
+    return df
+
+
+def best(df: pd.DataFrame, top: int = 1) -> pd.DataFrame:
+    """The `top` fastest verified kernels per problem and GPU, by offline speedup."""
+    ok = df[(df["status"] == "ok") & ~df["kernel"].isin(BASELINES) & df["speedup_offline"].notna()]
+    keys = ["gpu", "m", "n", "k", "dtype", "layout"]
+    ranked = ok.sort_values("speedup_offline", ascending=False)
+    ranked = ranked.drop_duplicates(keys + ["source_hash"])
+    return ranked.groupby(keys, sort=True, dropna=False).head(top).reset_index(drop=True)

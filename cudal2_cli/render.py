@@ -1,0 +1,220 @@
+"""Render: template spaces (templates/<name>/space.toml) and Jinja rendering of candidates."""
+
+from __future__ import annotations
+
+import functools
+import itertools
+import tomllib
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import jinja2
+
+from .candidate import Candidate
+from .errors import Cudal2Error
+from .problem import Problem
+
+# Opt-in shared memory per block by compute capability (CUDA programming guide, table of
+# technical specifications); a template's `max_smem` constraint is checked against it.
+MAX_SMEM = {80: 166912, 86: 101376, 87: 166912, 89: 101376, 90: 232448, 100: 232448, 120: 101376}
+
+
+def bundled_dir(name: str) -> Path:
+    """A data folder shipped with the package (wheel) or beside it (source checkout)."""
+    here = Path(__file__).resolve().parent
+    for candidate in (here / name, here.parent / name):
+        if candidate.is_dir():
+            return candidate
+    raise Cudal2Error(f"cannot find the {name}/ folder next to {here}")
+
+
+def arch_cc(arch: str) -> int:
+    """'sm_90a' -> 90."""
+    digits = "".join(ch for ch in arch.removeprefix("sm_") if ch.isdigit())
+    if not arch.startswith("sm_") or not digits:
+        raise Cudal2Error(f"unknown architecture {arch!r}; expected a name like sm_90a or sm_80")
+    return int(digits)
+
+
+def _evaluate(expr: str, names: dict[str, Any]) -> Any:
+    return eval(expr, {"__builtins__": {}, "min": min, "max": max}, names)  # trusted: shipped files
+
+
+@dataclass(frozen=True)
+class Param:
+    name: str
+    values: tuple[Any, ...]
+    default: Any
+    help: str
+
+    def coerce(self, raw: Any) -> Any:
+        """A command-line string to the type of this parameter's values."""
+        if isinstance(raw, str) and all(isinstance(v, int) for v in self.values):
+            try:
+                return int(raw)
+            except ValueError:
+                raise Cudal2Error(f"parameter {self.name} takes an integer, got {raw!r}") from None
+        return raw
+
+
+@dataclass(frozen=True)
+class Space:
+    """A template's parameter space: values per parameter, derived values, constraints."""
+
+    description: str
+    min_cc: int
+    max_cc: int | None
+    dtypes: tuple[str, ...]
+    layouts: tuple[str, ...]
+    params: dict[str, Param]
+    derived: dict[str, str]
+    constraints: tuple[str, ...]
+
+    @classmethod
+    def load(cls, path: Path) -> Space:
+        doc = tomllib.loads(path.read_text())
+        params = {
+            name: Param(name, tuple(spec["values"]), spec["default"], spec.get("help", ""))
+            for name, spec in doc.get("params", {}).items()
+        }
+        return cls(
+            description=doc.get("description", ""),
+            min_cc=doc.get("min_cc", 0),
+            max_cc=doc.get("max_cc"),
+            dtypes=tuple(doc.get("dtypes", ("fp16", "bf16"))),
+            layouts=tuple(doc.get("layouts", ("nn", "nt"))),
+            params=params,
+            derived=dict(doc.get("derived", {})),
+            constraints=tuple(doc.get("constraints", ())),
+        )
+
+    def runs_on(self, cc: int) -> bool:
+        return cc >= self.min_cc and (self.max_cc is None or cc <= self.max_cc)
+
+    def defaults(self) -> dict[str, Any]:
+        return {name: p.default for name, p in self.params.items()}
+
+    def facts(self, params: dict[str, Any], cc: int) -> dict[str, Any]:
+        """Parameters plus derived values and target facts, as constraints see them."""
+        names: dict[str, Any] = {**params, "cc": cc, "max_smem": MAX_SMEM.get(cc, 232448)}
+        for name, expr in self.derived.items():
+            names[name] = _evaluate(expr, names)
+        return names
+
+    def violations(self, params: dict[str, Any], cc: int) -> list[str]:
+        names = self.facts(params, cc)
+        return [rule for rule in self.constraints if not _evaluate(rule, names)]
+
+    def resolve(self, given: dict[str, Any], cc: int, template: str) -> dict[str, Any]:
+        """Defaults filled in, values coerced and checked; raises on anything invalid."""
+        unknown = sorted(set(given) - set(self.params))
+        if unknown:
+            raise Cudal2Error(
+                f"unknown parameter {', '.join(unknown)} for template {template}; "
+                f"its parameters are {', '.join(self.params)}"
+            )
+        params = self.defaults()
+        for name, raw in given.items():
+            spec = self.params[name]
+            value = spec.coerce(raw)
+            if value not in spec.values:
+                raise Cudal2Error(
+                    f"{name}={value} is outside template {template}'s space "
+                    f"({', '.join(map(str, spec.values))})"
+                )
+            params[name] = value
+        broken = self.violations(params, cc)
+        if broken:
+            shown = ", ".join(f"{k}={v}" for k, v in params.items())
+            raise Cudal2Error(f"invalid {template} configuration ({shown}): fails {'; '.join(broken)}")
+        return params
+
+    def configurations(self, cc: int) -> Iterator[dict[str, Any]]:
+        """Every valid parameter set, in the order of the values lists."""
+        names = list(self.params)
+        for values in itertools.product(*(self.params[n].values for n in names)):
+            params = dict(zip(names, values))
+            if not self.violations(params, cc):
+                yield params
+
+
+@dataclass(frozen=True)
+class Template:
+    name: str
+    path: Path
+    space: Space
+
+    def supports(self, problem: Problem, cc: int) -> bool:
+        return (
+            problem.dtype in self.space.dtypes
+            and problem.layout in self.space.layouts
+            and self.space.runs_on(cc)
+        )
+
+    def render(self, params: dict[str, Any], problem: Problem) -> str:
+        env = jinja2.Environment(
+            loader=jinja2.FileSystemLoader(self.path),
+            undefined=jinja2.StrictUndefined,
+            keep_trailing_newline=True,
+        )
+        return env.get_template("kernel.cu.j2").render(
+            **params, dtype=problem.dtype, layout=problem.layout
+        )
+
+
+@functools.cache
+def load_templates(root: Path | None = None) -> dict[str, Template]:
+    """Every template folder (one holding kernel.cu.j2 and space.toml) under `root`."""
+    root = root or bundled_dir("templates")
+    return {
+        folder.name: Template(folder.name, folder, Space.load(folder / "space.toml"))
+        for folder in sorted(root.iterdir())
+        if (folder / "kernel.cu.j2").is_file() and (folder / "space.toml").is_file()
+    }
+
+
+def get_template(name: str) -> Template:
+    templates = load_templates()
+    if name not in templates:
+        raise Cudal2Error(f"unknown template {name!r}; available: {', '.join(templates)}")
+    return templates[name]
+
+
+def template_candidate(name: str, given: dict[str, Any], cc: int) -> Candidate:
+    """A validated candidate for template `name` with `given` parameters (defaults filled)."""
+    return Candidate.from_template(name, get_template(name).space.resolve(given, cc, name))
+
+
+def template_grid(name: str, grid: dict[str, list[str]], cc: int) -> list[Candidate]:
+    """Candidates for every combination of the listed values (defaults elsewhere).
+
+    A single combination must be valid; in a larger grid the invalid combinations are
+    skipped, and an empty result is an error.
+    """
+    names = list(grid)
+    combos = [dict(zip(names, values)) for values in itertools.product(*(grid[n] for n in names))]
+    if len(combos) == 1:
+        return [template_candidate(name, combos[0], cc)]
+    found, last_error = [], None
+    for combo in combos:
+        try:
+            found.append(template_candidate(name, combo, cc))
+        except Cudal2Error as exc:
+            if "outside" in str(exc) or "unknown parameter" in str(exc):
+                raise
+            last_error = exc
+    if not found:
+        raise Cudal2Error(f"no valid configuration in that grid; for example: {last_error}")
+    return list(dict.fromkeys(found))
+
+
+def render(candidate: Candidate, problem: Problem) -> str:
+    """The CUDA source of `candidate` for `problem`'s dtype and layout."""
+    if candidate.source is not None:
+        return candidate.source
+    template = get_template(candidate.template)
+    if problem.dtype not in template.space.dtypes or problem.layout not in template.space.layouts:
+        raise Cudal2Error(f"template {template.name} does not support {problem.dtype} {problem.layout}")
+    return template.render(candidate.param_dict, problem)

@@ -1,0 +1,352 @@
+"""Verify: the candidate is untrusted code; show that it computes C = A @ B honestly.
+
+The static part (imported symbols) runs anywhere; the rest runs in the worker process
+that owns the GPU. Each check names the cheat it closes (DESIGN.md, "Verify").
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from .problem import Problem
+
+# What a kernel library may import: kernel registration and launch, attributes and
+# error queries of the CUDA runtime, an asynchronous memset (workspace set-up) and the
+# C/C++ runtime's start-up and exception plumbing. Anything else (cuBLAS, allocation,
+# synchronisation, streams, events, host callbacks, threads, dlopen) makes it a cheat.
+ALLOWED_IMPORTS = frozenset({
+    "__cudaRegisterFatBinary", "__cudaRegisterFatBinaryEnd", "__cudaUnregisterFatBinary",
+    "__cudaRegisterFunction", "__cudaRegisterVar", "__cudaPushCallConfiguration",
+    "__cudaPopCallConfiguration", "__cudaLaunchKernel", "__cudaGetKernel", "__cudaInitModule",
+    "cudaLaunchKernel", "cudaLaunchKernelExC", "cudaLaunchCooperativeKernel",
+    "cudaFuncSetAttribute", "cudaFuncGetAttributes", "cudaFuncSetCacheConfig",
+    "cudaGetLastError", "cudaPeekAtLastError", "cudaGetErrorString", "cudaGetErrorName",
+    "cudaGetDevice", "cudaDeviceGetAttribute", "cudaGetDeviceProperties", "cudaGetDeviceProperties_v2",
+    "cudaOccupancyMaxActiveBlocksPerMultiprocessor",
+    "cudaOccupancyMaxActiveBlocksPerMultiprocessorWithFlags", "cudaOccupancyMaxActiveClusters",
+    "cudaOccupancyMaxPotentialClusterSize", "cudaMemsetAsync",
+    "cuTensorMapEncodeTiled", "cuTensorMapEncodeIm2col",
+    "__cxa_atexit", "__cxa_finalize", "__cxa_guard_acquire", "__cxa_guard_release",
+    "__cxa_guard_abort", "__gxx_personality_v0", "_Unwind_Resume", "__gmon_start__",
+    "_ITM_deregisterTMCloneTable", "_ITM_registerTMCloneTable", "__stack_chk_fail",
+    "__cxa_begin_catch", "__cxa_end_catch", "__cxa_rethrow", "__cxa_allocate_exception",
+    "__cxa_free_exception", "__cxa_throw", "__cxa_pure_virtual", "_ZSt9terminatev",
+    "_Znwm", "_Znam", "_ZdlPv", "_ZdlPvm", "_ZdaPv", "_ZSt20__throw_length_errorPKc",
+    "_ZSt17__throw_bad_allocv", "_ZSt28__throw_bad_array_new_lengthv",
+    "memset", "memcpy", "memmove", "memcmp", "strlen", "strcmp", "abort", "__assert_fail",
+    "printf", "fprintf", "puts", "fputs", "fwrite", "putchar", "stderr", "stdout",
+})
+
+
+def forbidden_imports(imports: list[str]) -> list[str]:
+    return sorted(set(imports) - ALLOWED_IMPORTS)
+
+
+@dataclass
+class Verdict:
+    status: str  # ok | wrong | cheat | unsupported
+    reason: str = ""
+    max_error: float | None = None
+    tolerance: float | None = None
+
+
+class Rejected(Exception):
+    """A verdict reached part-way through the checks."""
+
+    def __init__(self, status: str, reason: str):
+        super().__init__(reason)
+        self.status = status
+
+
+# Unit roundoff of the output type: a correct fp32-accumulated result is within a few
+# of these (relative to the largest |C|) of the exact product.
+UNIT_ROUNDOFF = {"fp16": 2.0**-11, "bf16": 2.0**-8}
+GUARD = 1 << 16  # bytes of guard band before and after every buffer
+
+
+class Kernel:
+    """A compiled library implementing the kernel ABI, loaded with ctypes."""
+
+    def __init__(self, path: str):
+        self.lib = ctypes.CDLL(path)
+        self.gemm = self.lib.cudal2_gemm
+        self.gemm.restype = ctypes.c_int
+        self.gemm.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int] * 3 + [
+            ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
+        try:
+            self._workspace = self.lib.cudal2_workspace_bytes
+            self._workspace.restype = ctypes.c_size_t
+            self._workspace.argtypes = [ctypes.c_int] * 3
+        except AttributeError:
+            self._workspace = None
+
+    def workspace_bytes(self, m: int, n: int, k: int) -> int:
+        return int(self._workspace(m, n, k)) if self._workspace else 0
+
+
+class Numerics:
+    """fp16 / bf16 arrays in CuPy (bf16 held as uint16 bits) and fp32 conversions."""
+
+    def __init__(self, dtype: str):
+        import cupy
+
+        self.cp = cupy
+        self.dtype = dtype
+        self.storage = cupy.float16 if dtype == "fp16" else cupy.uint16
+        self._to_bf16 = cupy.ElementwiseKernel(
+            "float32 x", "uint16 y",
+            "unsigned int u = __float_as_uint(x);"
+            "y = (u & 0x7fffffffu) > 0x7f800000u ? 0x7fc0 : (u + 0x7fffu + ((u >> 16) & 1u)) >> 16;",
+            "cudal2_to_bf16")
+        self._from_bf16 = cupy.ElementwiseKernel(
+            "uint16 x", "float32 y", "y = __uint_as_float(((unsigned int)x) << 16);", "cudal2_from_bf16")
+
+    def cast(self, x32, out) -> None:
+        if self.dtype == "fp16":
+            out[...] = x32.astype(self.cp.float16)
+        else:
+            self._to_bf16(x32, out)
+
+    def f32(self, x):
+        return x.astype(self.cp.float32) if self.dtype == "fp16" else self._from_bf16(x)
+
+
+class Operands:
+    """A, B, C and the workspace of one shape, each in its own guard-banded allocation.
+
+    The guard bands hold random bytes; a write outside C (or into A, B) changes them.
+    """
+
+    def __init__(self, problem: Problem, workspace_bytes: int, numerics: Numerics):
+        cp = numerics.cp
+        self.problem, self.num, self.cp = problem, numerics, cp
+        p = problem
+        self._buffers = []
+        self.a = self._guarded((p.m, p.k))
+        self.b = self._guarded(p.b_shape)
+        self.c = self._guarded((p.m, p.n))
+        self.ws_bytes = workspace_bytes
+        self.ws = self._guarded((max(workspace_bytes, 1),), cp.uint8)
+
+    def _guarded(self, shape, dtype=None):
+        cp = self.cp
+        dtype = dtype or self.num.storage
+        nbytes = int(cp.dtype(dtype).itemsize * shape[0] * (shape[1] if len(shape) > 1 else 1))
+        raw = cp.empty(nbytes + 2 * GUARD, dtype=cp.uint8)
+        raw[:GUARD] = cp.random.randint(0, 256, GUARD, dtype=cp.uint8)
+        raw[-GUARD:] = cp.random.randint(0, 256, GUARD, dtype=cp.uint8)
+        guards = cp.concatenate([raw[:GUARD], raw[-GUARD:]])
+        view = cp.ndarray(shape, dtype=dtype, memptr=raw.data + GUARD)
+        self._buffers.append((raw, guards))
+        return view
+
+    def stray_writes(self) -> bool:
+        cp = self.cp
+        return any(
+            not bool(cp.array_equal(cp.concatenate([raw[:GUARD], raw[-GUARD:]]), guards))
+            for raw, guards in self._buffers
+        )
+
+    def fill(self, distribution: str, rng) -> None:
+        """Fresh inputs from `distribution`; keeps copies to prove A and B untouched."""
+        cp, p = self.cp, self.problem
+        gen = cp.random.Generator(cp.random.XORWOW(seed=rng.getrandbits(63)))
+        if distribution == "accumulation":
+            # Exposes fp16/bf16 accumulation: 8192 at k=0, -8192 at k=K-1 and small terms
+            # between. Accumulated in fp32 the small terms survive exactly; in fp16 each
+            # one is rounded away against 8192, leaving about zero.
+            a32 = cp.ones((p.m, p.k), cp.float32)
+            col = gen.integers(1, 3, size=(p.k, 1)).astype(cp.float32) * 0.25
+            col[0], col[-1] = (8192.0, -8192.0) if p.k > 1 else (col[0], col[-1])
+            b32 = cp.broadcast_to(col, (p.k, p.n))
+            if p.layout == "nt":
+                b32 = b32.T
+        else:
+            a32 = self._draw(gen, distribution, (p.m, p.k))
+            b32 = self._draw(gen, distribution, p.b_shape)
+        self.num.cast(a32, self.a)
+        self.num.cast(cp.ascontiguousarray(b32), self.b)
+        self.a_copy, self.b_copy = self.a.copy(), self.b.copy()
+
+    def _draw(self, gen, distribution: str, shape):
+        cp = self.cp
+        if distribution == "normal":
+            return gen.standard_normal(shape, dtype=cp.float32)
+        if distribution == "uniform":
+            return gen.random(shape, dtype=cp.float32) * 2 - 1
+        if distribution == "positive":  # sums grow with K: large values expose coarse accumulation
+            return gen.random(shape, dtype=cp.float32)
+        raise ValueError(distribution)
+
+    def poison(self, rng) -> None:
+        """NaN in every element of C (0xFFFF is NaN in fp16 and bf16); random workspace."""
+        self.c.view(self.cp.uint8).fill(0xFF)
+        self.ws[...] = self.cp.random.randint(0, 256, self.ws.shape, dtype=self.cp.uint8)
+
+    def call(self, kernel: Kernel, stream, shape: Problem | None = None) -> int:
+        p = shape or self.problem
+        return kernel.gemm(self.a.data.ptr, self.b.data.ptr, self.c.data.ptr, p.m, p.n, p.k,
+                           self.ws.data.ptr, self.ws_bytes, stream.ptr)
+
+    def reference(self):
+        """fp32-accumulated product of the current inputs (cuBLAS sgemm on exact fp32 copies)."""
+        a, b = self.num.f32(self.a), self.num.f32(self.b)
+        return a @ (b if self.problem.layout == "nn" else b.T)
+
+    def inputs_intact(self) -> bool:
+        cp = self.cp
+        return bool(cp.array_equal(self.a, self.a_copy)) and bool(cp.array_equal(self.b, self.b_copy))
+
+
+def compare(c, ref, numerics: Numerics, calibration: float = 0.0) -> tuple[float, float, str]:
+    """(error, tolerance, problem) with error and tolerance relative to max |ref|.
+
+    The tolerance is 2 unit roundoffs of the output type, or 4x the error the trusted
+    library showed on the same inputs (`calibration`), whichever is larger.
+    """
+    cp = numerics.cp
+    c32 = numerics.f32(c)
+    bad = ~cp.isfinite(c32)
+    count = int(bad.sum())
+    scale = float(cp.abs(ref).max()) or 1.0
+    tol = max(2 * UNIT_ROUNDOFF[numerics.dtype], 4 * calibration)
+    if count:
+        row, col = divmod(int(cp.argmax(bad.ravel())), c.shape[1])
+        return float("inf"), tol, f"{count} of {c.size} outputs unwritten or not finite (first at [{row}, {col}])"
+    err = float(cp.abs(c32 - ref).max()) / scale
+    return err, tol, "" if err <= tol else f"max error {err:.3g} x max|C| exceeds tolerance {tol:.3g}"
+
+
+def trusted_error(ops: Operands, ref, baseline) -> float:
+    """Relative max error of the trusted library (cuBLAS) on the same inputs."""
+    out = ops.cp.empty_like(ops.c)
+    baseline(ops.a, ops.b, out)
+    return compare(out, ref, ops.num)[0]
+
+
+ODD_SHAPES = ((1, 1, 1), (17, 65, 63), (130, 72, 264))
+DISTRIBUTIONS = ("normal", "uniform", "positive", "accumulation")
+
+
+def verify(kernel: Kernel, problem: Problem, stream, baseline, rng) -> Verdict:
+    """Runs every check on `kernel`; the first failure decides the verdict."""
+    try:
+        return _verify(kernel, problem, stream, baseline, rng)
+    except Rejected as r:
+        return Verdict(r.status, str(r))
+
+
+def _checked_call(ops: Operands, kernel: Kernel, stream, rng, what: str, baseline) -> tuple[float, float]:
+    """Poison, call, then every check on one call; returns (error, tolerance)."""
+    ops.poison(rng)
+    stream.synchronize()
+    code = ops.call(kernel, stream)
+    stream.synchronize()
+    if code != 0:
+        raise Rejected("unsupported", f"cudal2_gemm returned {code} for {ops.problem.m}x{ops.problem.n}x{ops.problem.k} ({what})")
+    if ops.stray_writes():
+        raise Rejected("cheat", f"wrote outside C (a guard band changed) on {what}")
+    if not ops.inputs_intact():
+        raise Rejected("cheat", f"modified A or B on {what}")
+    ref = ops.reference()
+    err, tol, why = compare(ops.c, ref, ops.num, trusted_error(ops, ref, baseline))
+    if why:
+        raise Rejected("wrong", f"{what}: {why}")
+    return err, tol
+
+
+def _verify(kernel: Kernel, problem: Problem, stream, baseline, rng) -> Verdict:
+    num = Numerics(problem.dtype)
+    ws = kernel.workspace_bytes(problem.m, problem.n, problem.k)
+    first, second = Operands(problem, ws, num), Operands(problem, ws, num)
+    worst = (0.0, 0.0)
+    # Same pointers with new data (cached results), new pointers (pointer-keyed state),
+    # several distributions including one that exposes low-precision accumulation.
+    for ops, dist in ((first, "normal"), (first, "uniform"), (second, "positive"), (second, "accumulation")):
+        ops.fill(dist, rng)
+        worst = max(worst, _checked_call(ops, kernel, stream, rng, f"{dist} inputs", baseline))
+
+    # Work outside the given stream (another stream, the legacy stream, the host) is not
+    # captured into a graph: replaying the graph must still produce all of C.
+    first.fill("normal", rng)
+    first.poison(rng)
+    stream.synchronize()
+    import cupy
+
+    try:
+        stream.begin_capture(cupy.cuda.runtime.streamCaptureModeGlobal)
+        code = first.call(kernel, stream)
+        graph = stream.end_capture()
+    except cupy.cuda.runtime.CUDARuntimeError as exc:
+        raise Rejected("cheat", f"cannot be captured into a CUDA graph on its stream ({exc})") from None
+    if code != 0:
+        raise Rejected("cheat", f"returned {code} under stream capture but 0 outside it")
+    cupy.cuda.Device().synchronize()
+    first.poison(rng)
+    graph.launch(stream)
+    stream.synchronize()
+    err, tol, why = compare(first.c, first.reference(), num)
+    if why:
+        raise Rejected("cheat", f"replayed from a CUDA graph its output is wrong ({why}): work escapes the given stream")
+
+    _timer_check(first, kernel, stream)
+
+    # Odd shapes: a kernel may decline them (non-zero return), but what it accepts must be right.
+    for m, n, k in ODD_SHAPES:
+        odd = Problem(m, n, k, problem.dtype, problem.layout)
+        ops = Operands(odd, kernel.workspace_bytes(m, n, k), num)
+        ops.fill("normal", rng)
+        ops.poison(rng)
+        stream.synchronize()
+        if ops.call(kernel, stream) != 0:
+            continue
+        stream.synchronize()
+        ops.poison(rng)  # the accepted shape is now checked in full
+        worst = max(worst, _checked_call(ops, kernel, stream, rng, f"odd shape {m}x{n}x{k}", baseline))
+    return Verdict("ok", max_error=worst[0], tolerance=worst[1])
+
+
+def _timer_check(ops: Operands, kernel: Kernel, stream) -> None:
+    """Events on the stream must account for the device time seen around a device sync.
+
+    After the host has queued the calls, whatever the device still does is the stream's
+    own work, which the events cover; more busy time than the events show means work that
+    the events do not see. Three attempts must all fail before this is called a cheat.
+    """
+    import cupy
+
+    count = 8
+    for _ in range(3):
+        start, end = cupy.cuda.Event(), cupy.cuda.Event()
+        cupy.cuda.Device().synchronize()
+        start.record(stream)
+        for _ in range(count):
+            ops.call(kernel, stream)
+        end.record(stream)
+        queued = time.perf_counter()
+        cupy.cuda.Device().synchronize()
+        drain_ms = (time.perf_counter() - queued) * 1e3
+        event_ms = cupy.cuda.get_elapsed_time(start, end)
+        if drain_ms <= event_ms * 1.2 + 0.2:
+            return
+    raise Rejected("cheat", f"device stayed busy {drain_ms:.3f} ms after queueing, but its stream's events saw {event_ms:.3f} ms")
+
+
+def physical_floor_us(problem: Problem, device: dict[str, Any], cold_l2: bool) -> float:
+    """The fastest time the hardware allows: tensor-core FLOPs at the boost clock, plus
+    (with a cold L2) reading the inputs and writing C at the memory bandwidth."""
+    per_sm_clock = 4096 if device["cc"] >= 90 else 2048  # dense fp16/bf16 FLOP per SM per clock
+    peak = device["sm_count"] * device["max_sm_clock_mhz"] * 1e6 * per_sm_clock
+    floor = problem.flops / peak
+    if cold_l2:
+        bandwidth = device["memory_clock_khz"] * 1e3 * device["memory_bus_bits"] / 8 * 2
+        floor = max(floor, problem.min_bytes / (bandwidth * 1.5))
+    return floor * 1e6
+
+
+def seed_from_os() -> int:
+    return int.from_bytes(os.urandom(8), "little")

@@ -1,0 +1,132 @@
+import json
+
+import pytest
+from typer.testing import CliRunner
+
+from cudal2_cli.cli import app
+from cudal2_cli.leaderboard import Leaderboard
+
+from conftest import ROOT, gpu_count
+from test_leaderboard import row
+
+runner = CliRunner()
+
+
+def run(*args, env=None):
+    return runner.invoke(app, [str(a) for a in args], env=env)
+
+
+def test_help_lists_the_commands():
+    result = run("--help")
+    assert result.exit_code == 0
+    for command in ("bench", "leaderboard", "compile", "templates"):
+        assert command in result.output
+
+
+def test_templates_json_describes_the_space():
+    result = run("templates", "--json")
+    assert result.exit_code == 0
+    space = json.loads(result.output)["sm80_mma"]
+    assert space["params"]["block_m"]["default"] == 128 and space["dtypes"] == ["fp16", "bf16"]
+
+
+@pytest.mark.nvcc
+def test_compile_without_a_gpu_fills_the_cache(tmp_path):
+    env = {"CUDAL2_CACHE_DIR": str(tmp_path)}
+    args = ("compile", "--template", "sm80_mma", "--param", "stages=3", "--arch", "sm_90a", "--json")
+    first = run(*args, env=env)
+    assert first.exit_code == 0, first.output
+    [record] = json.loads(first.output)
+    assert record["status"] == "ok" and not record["cached"] and record["registers"] > 0
+    second = run(*args, env=env)
+    assert json.loads(second.output)[0]["cached"] is True
+
+
+def one_line_error(result, text):
+    assert result.exit_code == 1, result.output
+    lines = [line for line in result.output.splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith("error: ") and text in lines[0], result.output
+    assert "Traceback" not in result.output
+
+
+@pytest.mark.parametrize("args, text", [
+    (("bench", "--m", "0", "--n", "8", "--k", "8"), "m must be >= 1"),
+    (("bench", "--m", "abc", "--n", "8", "--k", "8"), "m must be an integer, got 'abc'"),
+    (("bench", "--m", "8", "--n", "8", "--k", "8", "--dtype", "fp8"), "unknown dtype 'fp8'"),
+    (("bench", "--m", "8", "--n", "8", "--k", "8", "--layout", "tt"), "unknown layout 'tt'"),
+    (("bench", "--m", "8", "--n", "8", "--k", "8", "--template", "nope"), "unknown template 'nope'"),
+    (("bench", "--m", "8", "--n", "8", "--k", "8", "--param", "block_m=64"), "--param needs --template"),
+    (("bench", "--m", "8", "--n", "8", "--k", "8", "--mode", "fast"), "unknown mode 'fast'"),
+    (("compile", "--template", "sm80_mma", "--param", "block_m=100", "--arch", "sm_90a"), "outside template sm80_mma's space"),
+    (("compile", "--template", "sm80_mma", "--param", "bogus=1", "--arch", "sm_90a"), "unknown parameter bogus"),
+    (("compile", "--template", "sm80_mma"), "compile needs --arch"),
+    (("compile", "--template", "sm80_mma", "--arch", "gfx90a"), "unknown architecture 'gfx90a'"),
+    (("compile", "--kernel", "/no/such/file.cu", "--arch", "sm_90a"), "cannot read kernel file"),
+    (("leaderboard", "--format", "xml"), "unknown format 'xml'"),
+    (("leaderboard", "--status", "great"), "unknown status 'great'"),
+])
+def test_bad_input_is_one_line_and_exit_1(args, text, tmp_path):
+    one_line_error(run(*args, "--results" if args[0] != "compile" else "--jobs",
+                       tmp_path if args[0] != "compile" else 1), text)
+
+
+@pytest.mark.nvcc
+def test_kernel_that_does_not_compile_is_named(tmp_path):
+    bad = tmp_path / "bad.cu"
+    bad.write_text('extern "C" int cudal2_gemm() { return nope; }\n')
+    result = run("bench", "--m", 8, "--n", 8, "--k", 8, "--kernel", bad, "--arch", "sm_90a",
+                 "--results", tmp_path, env={"CUDAL2_CACHE_DIR": str(tmp_path / "c")})
+    one_line_error(result, "bad.cu does not compile")
+    assert "nope" in result.output
+
+
+@pytest.mark.nvcc
+def test_kernel_without_the_entry_point_is_named(tmp_path):
+    bad = tmp_path / "noabi.cu"
+    bad.write_text('extern "C" int gemm(void) { return 0; }\n')
+    result = run("compile", "--kernel", bad, "--arch", "sm_90a", env={"CUDAL2_CACHE_DIR": str(tmp_path)})
+    assert result.exit_code == 1 and "does not export cudal2_gemm" in result.output
+
+
+@pytest.mark.skipif(gpu_count() > 0, reason="this machine has a GPU")
+def test_bench_without_a_gpu_says_so(tmp_path):
+    one_line_error(run("bench", "--m", 64, "--n", 64, "--k", 64, "--results", tmp_path), "no usable CUDA device")
+
+
+def test_no_nvcc_is_named(tmp_path):
+    result = run("compile", "--template", "sm80_mma", "--arch", "sm_90a",
+                 env={"PATH": str(tmp_path), "CUDA_HOME": str(tmp_path), "CUDAL2_NVCC": ""})
+    one_line_error(result, "nvcc not found")
+
+
+def test_unreadable_leaderboard_is_named(tmp_path):
+    (tmp_path / "leaderboard").write_text("not a directory")
+    one_line_error(run("leaderboard", "--results", tmp_path), "is not a directory")
+
+
+@pytest.fixture
+def results(tmp_path):
+    lb = Leaderboard(tmp_path)
+    lb.append([row("sm80_mma(a)", 0.7, tflops=500.0), row("sm80_mma(b)", 0.9, tflops=600.0),
+               row("cheater", 5.0, status="cheat", error="wrote outside C"),
+               row("small", 1.3, m=64)])
+    return tmp_path
+
+
+def test_leaderboard_formats(results):
+    as_json = json.loads(run("leaderboard", "--results", results, "--format", "json").output)
+    assert [(r["m"], r["kernel"]) for r in as_json] == [(64, "small"), (4096, "sm80_mma(b)")]
+    csv = run("leaderboard", "--results", results, "--format", "csv").output.splitlines()
+    assert csv[0].startswith("gpu,m,n,k,dtype,layout,kernel") and len(csv) == 3
+    md = run("leaderboard", "--results", results, "--format", "markdown").output.splitlines()
+    assert md[0].startswith("| gpu | m |") and md[1].startswith("|---|") and "sm80_mma(b)" in md[3]
+    table = run("leaderboard", "--results", results).output
+    assert "sm80_mma(b)" in table and "cheater" not in table
+
+
+def test_leaderboard_filters_top_and_status(results):
+    top2 = json.loads(run("leaderboard", "--results", results, "--m", 4096, "--top", 2, "--format", "json").output)
+    assert [r["kernel"] for r in top2] == ["sm80_mma(b)", "sm80_mma(a)"]
+    cheats = json.loads(run("leaderboard", "--results", results, "--status", "cheat", "--format", "json").output)
+    assert [(r["kernel"], r["error"]) for r in cheats] == [("cheater", "wrote outside C")]
+    assert "no results match" in run("leaderboard", "--results", results, "--gpu", "A100").output

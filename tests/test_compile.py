@@ -1,0 +1,79 @@
+import pytest
+
+from cudal2_cli.compile import Compiler, cache_key, parse_ptxas
+from cudal2_cli.problem import Problem
+from cudal2_cli.render import render, template_candidate
+from cudal2_cli.verify import forbidden_imports
+
+from conftest import ROOT, fixture_source
+
+pytestmark = pytest.mark.nvcc
+
+
+def test_template_compiles_for_sm90a_with_resource_report(compiler):
+    source = render(template_candidate("sm80_mma", {}, 90), Problem(1, 1, 1, "fp16", "nn"))
+    build = compiler.compile(source)
+    assert build.status == "ok", build.log
+    assert build.library.is_file()
+    assert "cudal2_gemm" in build.exports
+    assert 0 < build.registers <= 255 and build.spill_bytes == 0
+    assert forbidden_imports(build.imports) == []
+
+    again = compiler.compile(source)  # served from the cache: no nvcc run
+    assert again.cached and again.library == build.library and again.registers == build.registers
+
+
+def test_bf16_nt_variant_compiles(compiler):
+    source = render(template_candidate("sm80_mma", {"block_k": "64", "block_n": "64"}, 90),
+                    Problem(1, 1, 1, "bf16", "nt"))
+    assert compiler.compile(source).status == "ok"
+
+
+def test_compile_error_keeps_the_log_and_is_cached(compiler):
+    build = compiler.compile('extern "C" int cudal2_gemm() { return undefined_thing; }')
+    assert build.status == "compile_error" and build.library is None
+    assert "undefined_thing" in build.log
+    assert compiler.compile('extern "C" int cudal2_gemm() { return undefined_thing; }').cached
+
+
+def test_library_without_the_abi_entry_point_is_a_compile_error(compiler):
+    build = compiler.compile('extern "C" int not_the_abi(void) { return 0; }\n')
+    assert build.status == "compile_error"
+    assert "does not export cudal2_gemm" in build.log
+
+
+def test_forbidden_imports_are_visible_after_compile(compiler):
+    build = compiler.compile(fixture_source("own_stream"))
+    assert build.status == "ok", build.log
+    assert forbidden_imports(build.imports) == ["cudaStreamCreateWithFlags"]
+    assert forbidden_imports(compiler.compile((ROOT / "examples" / "simt_gemm_fp16_nn.cu").read_text()).imports) == []
+
+
+def test_parallel_compiles_dedupe_identical_sources(tmp_path):
+    compiler = Compiler("sm_90a", tmp_path, jobs=2)
+    a = 'extern "C" int cudal2_gemm(const void*, const void*, void*, int, int, int, void*, unsigned long, void*) { return 1; }\n'
+    b = a.replace("return 1", "return 2")
+    builds = compiler.compile_all([a, b, a])
+    assert [x.status for x in builds] == ["ok", "ok", "ok"]
+    assert builds[0].library == builds[2].library != builds[1].library
+    assert len(list((tmp_path / "kernels").glob("*/*/kernel.so"))) == 2
+
+
+def test_timeout_is_a_result_not_an_exception(tmp_path):
+    compiler = Compiler("sm_90a", tmp_path, timeout=0.01)
+    build = compiler.compile("// any source\n")
+    assert build.status == "timeout" and "exceeded" in build.log
+    assert compiler.lookup("// any source\n") is None  # a timeout is not cached
+
+
+def test_cache_key_names_the_target():
+    assert cache_key("x", "sm_90a") != cache_key("x", "sm_80")
+    assert cache_key("x", "sm_90a") != cache_key("y", "sm_90a")
+
+
+def test_ptxas_report_is_parsed():
+    log = """ptxas info    : Used 168 registers, used 1 barriers, 98304 bytes smem, 400 bytes cmem[0]
+    0 bytes stack frame, 8 bytes spill stores, 4 bytes spill loads
+ptxas info    : Used 200 registers, used 1 barriers
+    16 bytes stack frame, 0 bytes spill stores, 0 bytes spill loads"""
+    assert parse_ptxas(log) == {"registers": 200, "smem_bytes": 98304, "spill_bytes": 12, "stack_bytes": 16}

@@ -1,0 +1,146 @@
+"""On a GPU: the template is correct over odd shapes, the verifier rejects each way to
+cheat, and `cudal2 bench` measures real rows. Run with `pytest -m gpu`."""
+
+from __future__ import annotations
+
+import json
+import random
+
+import pytest
+from typer.testing import CliRunner
+
+from cudal2_cli.candidate import Candidate
+from cudal2_cli.cli import app
+from cudal2_cli.config import Settings
+from cudal2_cli.leaderboard import Leaderboard
+from cudal2_cli.pipeline import Context, evaluate, measure_baselines
+from cudal2_cli.problem import Problem
+from cudal2_cli.render import render, template_candidate
+from cudal2_cli.verify import Kernel, Numerics, Operands, compare, trusted_error
+from cudal2_cli.worker import Worker, cublas_gemm
+
+from conftest import ROOT, fixture_source, gpu_cc
+
+pytestmark = pytest.mark.gpu
+
+DIMS = (1, 17, 63, 65, 127, 1000, 4097)
+SHAPES = sorted({(v, 128, 256) for v in DIMS} | {(128, v, 256) for v in DIMS}
+                | {(128, 256, v) for v in DIMS} | {(65, 127, 63), (1000, 1000, 1000)})
+# The default, plus a configuration exercising the other swizzle branches (64-wide K
+# slices, 32-wide N tiles) and a shallower pipeline.
+CONFIGS = ({}, {"block_m": "64", "block_n": "32", "block_k": "64", "warps_m": "2", "warps_n": "1", "stages": "3"})
+
+
+@pytest.mark.parametrize("dtype", ["fp16", "bf16"])
+@pytest.mark.parametrize("layout", ["nn", "nt"])
+def test_sm80_template_is_correct_on_odd_shapes(compiler, dtype, layout):
+    import cupy
+
+    candidates = [template_candidate("sm80_mma", params, gpu_cc()) for params in CONFIGS]
+    builds = compiler.compile_all([render(c, Problem(1, 1, 1, dtype, layout)) for c in candidates])
+    assert all(b.status == "ok" for b in builds), [b.log[-2000:] for b in builds]
+    stream = cupy.cuda.Stream(non_blocking=True)
+    num, rng = Numerics(dtype), random.Random(1)
+    failures = []
+    with stream:
+        for cand, build in zip(candidates, builds):
+            kernel = Kernel(str(build.library))
+            for m, n, k in SHAPES:
+                problem = Problem(m, n, k, dtype, layout)
+                ops = Operands(problem, 0, num)
+                ops.fill("normal", rng)
+                ops.poison(rng)
+                code = ops.call(kernel, stream)
+                stream.synchronize()
+                ref = ops.reference()
+                err, tol, why = compare(ops.c, ref, num, trusted_error(ops, ref, cublas_gemm(problem, stream)))
+                if code != 0 or why or ops.stray_writes():
+                    failures.append(f"{cand} {problem}: code {code} {why}")
+    assert not failures, "\n".join(failures)
+
+
+@pytest.fixture
+def context(tmp_path, compiler):
+    def make(problem: Problem, timeout: float = 120.0) -> Context:
+        settings = Settings(results=tmp_path, budget=0.2, timeout=timeout)
+        worker = Worker()
+        worker.start()
+        return Context(problem, settings, worker, compiler, Leaderboard(tmp_path), "test")
+
+    return make
+
+
+VERDICTS = {
+    "honest": {"ok"},
+    "half": {"wrong"},
+    "nothing": {"wrong"},
+    "fp16_accumulate": {"wrong"},
+    "past_end": {"cheat"},
+    "own_stream": {"cheat"},
+    "legacy_stream": {"cheat", "wrong"},
+    "cached": {"wrong", "cheat"},
+}
+
+
+def test_verifier_rejects_every_broken_kernel(context):
+    ctx = context(Problem(512, 512, 512))
+    honest = Candidate.from_source((ROOT / "examples" / "simt_gemm_fp16_nn.cu").read_text(), "honest")
+    cands = [honest] + [Candidate.from_source(fixture_source(v), v) for v in VERDICTS if v != "honest"]
+    try:
+        rows = {row["kernel"]: row for row in evaluate(ctx, cands)}
+    finally:
+        ctx.worker.close()
+    report = {name: (row["status"], row.get("error")) for name, row in rows.items()}
+    for name, allowed in VERDICTS.items():
+        assert rows[name]["status"] in allowed, report
+    assert rows["honest"]["speedup_offline"] > 0
+    assert "accumulation" in rows["fp16_accumulate"]["error"], report
+    assert "guard band" in rows["past_end"]["error"], report
+    assert "cudaStreamCreateWithFlags" in rows["own_stream"]["error"], report
+    assert "uniform" in rows["cached"]["error"], report  # the second call on the same pointers
+
+
+def test_crash_and_hang_cost_one_kernel_not_the_run(context):
+    ctx = context(Problem(256, 256, 256), timeout=30.0)
+    honest = Candidate.from_source((ROOT / "examples" / "simt_gemm_fp16_nn.cu").read_text(), "honest")
+    cands = [Candidate.from_source(fixture_source("crash"), "crash"),
+             Candidate.from_source(fixture_source("hang"), "hang"), honest]
+    try:
+        rows = {row["kernel"]: row for row in evaluate(ctx, cands)}
+    finally:
+        ctx.worker.close()
+    assert rows["crash"]["status"] == "crash", rows["crash"]
+    assert rows["hang"]["status"] == "timeout", rows["hang"]
+    assert rows["honest"]["status"] == "ok", rows["honest"]
+
+
+def test_baselines_are_correct_and_timed_on_the_device(context):
+    ctx = context(Problem(64, 64, 64))
+    try:
+        rows = {row["kernel"]: row for row in measure_baselines(ctx)}
+    finally:
+        ctx.worker.close()
+    assert rows["cuBLAS"]["status"] == "ok" and rows["cuBLAS"]["speedup_offline"] == 1.0
+    assert rows["torch.matmul"]["status"] == "ok"
+    # Device time of back-to-back launches, not the ~20 us a host-timed call shows.
+    assert rows["cuBLAS"]["offline_us"] < 10.0, rows["cuBLAS"]
+
+
+def test_bench_cli_end_to_end(tmp_path):
+    runner = CliRunner()
+    args = ["bench", "--m", "1000", "--n", "3000", "--k", "500", "--budget", "0.3",
+            "--results", str(tmp_path), "--mode", "both", "--json"]
+    result = runner.invoke(app, args)
+    assert result.exit_code == 0, result.output
+    rows = {r["kernel"]: r for r in json.loads(result.output)["rows"]}
+    default = next(name for name in rows if name.startswith("sm80_mma("))
+    assert {"cuBLAS", "torch.matmul"} <= set(rows)
+    for row in rows.values():
+        assert row["status"] == "ok", row
+        assert row["offline_us"] > 0 and row["server_us"] > 0 and row["gpu"]
+    assert rows[default]["speedup_offline"] == pytest.approx(rows[default]["cublas_offline_us"] / rows[default]["offline_us"])
+    # Without arguments, the next bench measures what the leaderboard holds for the problem.
+    again = runner.invoke(app, args[:-3] + ["--json"])
+    assert default in {r["kernel"] for r in json.loads(again.output)["rows"]}
+    listed = runner.invoke(app, ["leaderboard", "--results", str(tmp_path), "--format", "json"])
+    assert json.loads(listed.output)[0]["kernel"].startswith("sm80_mma(")

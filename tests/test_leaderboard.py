@@ -1,0 +1,65 @@
+import os
+
+import pandas as pd
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from cudal2_cli.errors import Cudal2Error
+from cudal2_cli.leaderboard import Leaderboard, best
+
+
+def row(kernel, speedup, status="ok", m=4096, source_hash=None, **extra):
+    return {"run_id": "r1", "gpu": "NVIDIA H200", "m": m, "n": 4096, "k": 4096, "dtype": "fp16",
+            "layout": "nn", "kernel": kernel, "status": status, "speedup_offline": speedup,
+            "offline_us": 180.0 / speedup if speedup else None, "source_hash": source_hash or kernel, **extra}
+
+
+def test_parts_are_plain_parquet_readable_by_pandas(tmp_path):
+    lb = Leaderboard(tmp_path)
+    lb.append([row("a", 0.9), row("b", 1.1)])
+    lb.append([row("c", 0.5, status="wrong", error="max error")])
+    direct = pd.read_parquet(tmp_path / "leaderboard")
+    assert sorted(direct["kernel"]) == ["a", "b", "c"]
+    assert list(lb.read().sort_values("kernel")["status"]) == ["ok", "ok", "wrong"]
+    assert not list((tmp_path / "leaderboard").glob(".*"))  # no temporary files left
+
+
+def test_corrupt_and_foreign_files_are_skipped_with_a_warning(tmp_path):
+    lb = Leaderboard(tmp_path)
+    lb.append([row("a", 0.9)])
+    (tmp_path / "leaderboard" / "part-broken.parquet").write_bytes(b"PAR1 not really")
+    pq.write_table(pa.table({"x": [1, 2]}), tmp_path / "leaderboard" / "foreign.parquet")
+    with pytest.warns(UserWarning) as caught:
+        df = lb.read()
+    assert list(df["kernel"]) == ["a"]
+    messages = " ".join(str(w.message) for w in caught)
+    assert "part-broken.parquet" in messages and "foreign.parquet" in messages
+
+
+def test_unknown_columns_are_refused(tmp_path):
+    with pytest.raises(ValueError, match="unknown leaderboard columns"):
+        Leaderboard(tmp_path).append([{"kernel": "a", "speed": 3}])
+
+
+def test_unreadable_leaderboard_is_a_clear_error(tmp_path):
+    (tmp_path / "leaderboard").write_text("a file where the directory should be")
+    with pytest.raises(Cudal2Error, match="is not a directory"):
+        Leaderboard(tmp_path).read()
+
+
+def test_best_picks_the_fastest_verified_kernel_per_problem(tmp_path):
+    lb = Leaderboard(tmp_path)
+    lb.append([row("slow", 0.8), row("fast", 1.2), row("cheat", 9.0, status="cheat"),
+               row("cuBLAS", 1.0), row("other-shape", 0.7, m=64), row("fast-again", 1.1, source_hash="fast")])
+    top = best(lb.read())
+    assert list(top.sort_values("m")["kernel"]) == ["other-shape", "fast"]
+    assert list(best(lb.read(), top=2).query("m == 4096")["kernel"]) == ["fast", "slow"]
+
+
+def test_sources_are_stored_by_content_hash(tmp_path):
+    lb = Leaderboard(tmp_path)
+    digest = lb.store_source("__global__ void k() {}")
+    assert lb.store_source("__global__ void k() {}") == digest
+    assert lb.source(digest) == "__global__ void k() {}"
+    assert os.listdir(tmp_path / "sources") == [f"{digest}.cu"]

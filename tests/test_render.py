@@ -1,0 +1,72 @@
+import pytest
+
+from cudal2_cli.candidate import Candidate
+from cudal2_cli.errors import Cudal2Error
+from cudal2_cli.problem import Problem
+from cudal2_cli.render import get_template, load_templates, render, template_candidate, template_grid
+
+
+def test_every_template_renders_its_default_for_every_dtype_and_layout():
+    for name, tmpl in load_templates().items():
+        for dtype in tmpl.space.dtypes:
+            for layout in tmpl.space.layouts:
+                cand = template_candidate(name, {}, max(tmpl.space.min_cc, 90))
+                source = render(cand, Problem(64, 64, 64, dtype, layout))
+                assert 'extern "C" int cudal2_gemm(' in source
+
+
+def test_sm80_render_reflects_parameters_dtype_and_layout():
+    cand = template_candidate("sm80_mma", {"block_m": "64", "stages": "3"}, 90)
+    source = render(cand, Problem(1, 1, 1, "bf16", "nt"))
+    assert "constexpr int BM = 64" in source and "STAGES = 3" in source
+    assert "__nv_bfloat16" in source and "kTransB = true" in source
+    assert "{{" not in source and "{%" not in source
+
+
+def test_candidates_are_values():
+    a = template_candidate("sm80_mma", {"block_m": "64"}, 90)
+    b = Candidate.from_template("sm80_mma", dict(reversed(list(a.param_dict.items()))))
+    assert a == b and hash(a) == hash(b) and a.id == b.id
+    assert "block_m=64" in str(a)
+    src = Candidate.from_source("int x;", label="x.cu")
+    assert src == Candidate.from_source("int x;", label="other.cu")
+    assert str(src) == "x.cu"
+
+
+@pytest.mark.parametrize("params, message", [
+    ({"block_q": "64"}, "unknown parameter block_q for template sm80_mma"),
+    ({"block_m": "100"}, r"block_m=100 is outside template sm80_mma's space \(32, 64, 128, 256\)"),
+    ({"block_m": "big"}, "block_m takes an integer"),
+    ({"block_m": "32", "warps_m": "4"}, r"fails block_m % \(warps_m \* 16\) == 0"),
+    ({"block_m": "256", "block_n": "256", "block_k": "64", "stages": "5"}, "fails .*smem_bytes <= max_smem"),
+])
+def test_invalid_parameters_are_rejected_before_compiling(params, message):
+    with pytest.raises(Cudal2Error, match=message):
+        template_candidate("sm80_mma", params, 90)
+
+
+def test_shared_memory_limit_follows_the_target():
+    big = {"block_m": "256", "block_n": "128", "block_k": "64", "stages": "4"}  # 192 KiB
+    template_candidate("sm80_mma", big, 90)
+    with pytest.raises(Cudal2Error, match="smem_bytes <= max_smem"):
+        template_candidate("sm80_mma", big, 86)
+
+
+def test_unknown_template():
+    with pytest.raises(Cudal2Error, match="unknown template 'nope'; available: .*sm80_mma"):
+        get_template("nope")
+
+
+def test_grid_skips_invalid_combinations_and_keeps_valid_ones():
+    grid = template_grid("sm80_mma", {"block_m": ["32", "128"], "warps_m": ["2", "4"], "warps_n": ["2"]}, 90)
+    shapes = {(c.param_dict["block_m"], c.param_dict["warps_m"]) for c in grid}
+    assert shapes == {(32, 2), (128, 2), (128, 4)}  # 32 rows cannot feed 4 warps of 16
+    with pytest.raises(Cudal2Error, match="no valid configuration"):
+        template_grid("sm80_mma", {"block_m": ["32"], "warps_m": ["4", "4"]}, 90)
+
+
+def test_space_enumerates_only_valid_configurations():
+    space = get_template("sm80_mma").space
+    configs = list(space.configurations(90))
+    assert configs and all(not space.violations(c, 90) for c in configs)
+    assert space.defaults() in configs
