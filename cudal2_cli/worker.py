@@ -132,8 +132,10 @@ CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT = 68, -1
 def cublas_gemm(problem: Problem, stream):
     """C = A @ B (or A @ W^T) through cublasGemmEx with fp32 compute: the cuBLAS baseline.
 
-    cuBLAS is column-major; a row-major C[M,N] is C^T in its eyes, so it computes
-    C^T = B^T A^T: (N x K)(K x M), with W's transpose taking op T.
+    The returned function takes the shape from its arrays (A is M x K, C is M x N), so one
+    baseline serves every shape of the problem's dtype and layout. cuBLAS is column-major;
+    a row-major C[M,N] is C^T in its eyes, so it computes C^T = B^T A^T: (N x K)(K x M),
+    with W's transpose taking op T.
     """
     import cupy
     import numpy as np
@@ -142,10 +144,11 @@ def cublas_gemm(problem: Problem, stream):
     handle = cupy.cuda.device.get_cublas_handle()
     dtype = CUDA_R_16F if problem.dtype == "fp16" else CUDA_R_16BF
     alpha, beta = np.ones(1, np.float32), np.zeros(1, np.float32)
-    m, n, k = problem.m, problem.n, problem.k
-    op_b, ldb = (cublas.CUBLAS_OP_N, n) if problem.layout == "nn" else (cublas.CUBLAS_OP_T, k)
+    transposed = problem.layout == "nt"
 
     def run(a, b, c) -> None:
+        (m, k), n = a.shape, c.shape[1]
+        op_b, ldb = (cublas.CUBLAS_OP_T, k) if transposed else (cublas.CUBLAS_OP_N, n)
         cublas.setStream(handle, stream.ptr)
         cublas.gemmEx(handle, op_b, cublas.CUBLAS_OP_N, n, m, k, alpha.ctypes.data,
                       b.data.ptr, dtype, ldb, a.data.ptr, dtype, k, beta.ctypes.data,
