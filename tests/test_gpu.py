@@ -94,7 +94,7 @@ def test_verifier_rejects_every_broken_kernel(context):
     for name, allowed in VERDICTS.items():
         assert rows[name]["status"] in allowed, report
     assert rows["honest"]["speedup_offline"] > 0
-    assert "accumulation" in rows["fp16_accumulate"]["error"], report
+    assert "max error" in rows["fp16_accumulate"]["error"], report  # inaccurate, not unwritten
     assert "guard band" in rows["past_end"]["error"], report
     assert "cudaStreamCreateWithFlags" in rows["own_stream"]["error"], report
     assert "uniform" in rows["cached"]["error"], report  # the second call on the same pointers
