@@ -50,13 +50,15 @@ class Param:
     help: str
 
     def coerce(self, raw: Any) -> Any:
-        """A command-line string to the type of this parameter's values."""
-        if isinstance(raw, str) and all(isinstance(v, int) for v in self.values):
-            try:
-                return int(raw)
-            except ValueError:
+        """A command-line string to the value it names: 'auto' stays text, '4' becomes 4."""
+        if not isinstance(raw, str) or raw in self.values:
+            return raw
+        try:
+            return int(raw)
+        except ValueError:
+            if all(isinstance(v, int) for v in self.values):
                 raise Cudal2Error(f"parameter {self.name} takes an integer, got {raw!r}") from None
-        return raw
+            return raw
 
 
 @dataclass(frozen=True)
