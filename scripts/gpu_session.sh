@@ -3,12 +3,13 @@
 #   scripts/gpu_session.sh tests   -> pytest -m gpu
 #   scripts/gpu_session.sh bench   -> cudal2 bench at 4096^3 (defaults, cuBLAS, torch)
 #   scripts/gpu_session.sh sweep   -> a grid of sm80_mma configurations at 4096^3
+#   scripts/gpu_session.sh sweep-occupancy -> 128x128 tiles at two blocks per SM
 # Logs, JSON and a tarball of the results directory go to ${OUT:-gpu-run}/.
 set -uo pipefail
 out=${OUT:-gpu-run}
 mkdir -p "$out"
 export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
-results=${RESULTS:-results}
+results=${RESULTS:-gpu-results}  # merged into results/ by hand after review
 cudal2() { python3 -m cudal2_cli "$@"; }
 
 for stage in "$@"; do
@@ -17,6 +18,10 @@ for stage in "$@"; do
       python3 -m pytest -m gpu -q -p no:cacheprovider 2>&1 | tee "$out/pytest-gpu.log" ;;
     bench)
       cudal2 bench --m 4096 --n 4096 --k 4096 --results "$results" 2>&1 | tee "$out/bench-4096.txt" ;;
+    sweep-occupancy)
+      cudal2 bench --m 4096 --n 4096 --k 4096 --results "$results" --budget 0.3 --template sm80_mma \
+        --param block_m=128 --param block_n=128 --param block_k=32,64 --param warps_m=2,4 --param warps_n=2,4 \
+        --param stages=3,4 --param min_blocks=2 2>&1 | tee "$out/sweep-occupancy-4096.txt" ;;
     sweep)
       cudal2 bench --m 4096 --n 4096 --k 4096 --results "$results" --budget 0.3 --template sm80_mma \
         --param block_m=128,256 --param block_n=128,256 --param block_k=32,64 \
