@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import importlib.util
 import json
 import os
 import re
@@ -74,11 +75,10 @@ def cutlass_include() -> tuple[Path, ...]:
     if root := os.environ.get("CUTLASS_DIR"):
         base = Path(root)
     else:
-        try:
-            import cutlass_library
-        except ImportError:
+        spec = importlib.util.find_spec("cutlass_library")  # located, not imported (heavy deps)
+        if spec is None or spec.origin is None:
             return ()
-        base = Path(cutlass_library.__file__).parent / "source"
+        base = Path(spec.origin).parent / "source"
     dirs = (base / "include", base / "tools" / "util" / "include")
     return tuple(d for d in dirs if d.is_dir())
 
