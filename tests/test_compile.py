@@ -77,3 +77,13 @@ def test_ptxas_report_is_parsed():
 ptxas info    : Used 200 registers, used 1 barriers
     16 bytes stack frame, 0 bytes spill stores, 0 bytes spill loads"""
     assert parse_ptxas(log) == {"registers": 200, "smem_bytes": 98304, "spill_bytes": 12, "stack_bytes": 16}
+
+
+def test_cutlass_sm90_template_compiles_with_allowed_imports(compiler):
+    """One CUTLASS 3.x kernel (about 100 s of one core): the representative of its family."""
+    source = render(template_candidate("sm90_cutlass", {}, 90), Problem(1, 1, 1, "fp16", "nn"))
+    build = compiler.compile(source)
+    assert build.status == "ok", build.log[-3000:]
+    assert "cudal2_gemm" in build.exports and "cudal2_workspace_bytes" in build.exports
+    assert build.spill_bytes == 0
+    assert forbidden_imports(build.imports) == []

@@ -59,6 +59,39 @@ def test_sm80_template_is_correct_on_odd_shapes(compiler, dtype, layout):
     assert not failures, "\n".join(failures)
 
 
+SM90_SHAPES = ((4096, 4096, 4096), (1, 4096, 4096), (8, 8, 8), (3000, 24, 16), (777, 1112, 8200),
+               (257, 4104, 520), (1000, 1000, 1000))
+SM90_REFUSED = ((128, 128, 1001), (128, 1001, 128))  # rows not 16-byte aligned for TMA
+
+
+@pytest.mark.parametrize("dtype, layout", [("fp16", "nn"), ("bf16", "nt"), ("fp16", "nt"), ("bf16", "nn")])
+def test_sm90_cutlass_default_is_correct_and_refuses_unaligned_rows(compiler, dtype, layout):
+    import cupy
+
+    build = compiler.compile(render(template_candidate("sm90_cutlass", {}, gpu_cc()), Problem(1, 1, 1, dtype, layout)))
+    assert build.status == "ok", build.log[-3000:]
+    kernel, num, rng = Kernel(str(build.library)), Numerics(dtype), random.Random(2)
+    stream = cupy.cuda.Stream(non_blocking=True)
+    failures = []
+    with stream:
+        for m, n, k in SM90_SHAPES + SM90_REFUSED:
+            problem = Problem(m, n, k, dtype, layout)
+            ops = Operands(problem, kernel.workspace_bytes(m, n, k), num)
+            ops.fill("normal", rng)
+            ops.poison(rng)
+            code = ops.call(kernel, stream)
+            stream.synchronize()
+            if (m, n, k) in SM90_REFUSED:
+                if code == 0:
+                    failures.append(f"{problem}: accepted unaligned rows")
+                continue
+            ref = ops.reference()
+            err, tol, why = compare(ops.c, ref, num, trusted_error(ops, ref, cublas_gemm(problem, stream)))
+            if code != 0 or why or ops.stray_writes():
+                failures.append(f"{problem}: code {code} {why}")
+    assert not failures, "\n".join(failures)
+
+
 @pytest.fixture
 def context(tmp_path, compiler):
     def make(problem: Problem, timeout: float = 120.0) -> Context:
