@@ -159,8 +159,9 @@ def test_baselines_are_correct_and_timed_on_the_device(context):
     assert rows["cuBLAS"]["offline_us"] < 10.0, rows["cuBLAS"]
 
 
-def test_bench_cli_end_to_end(tmp_path):
-    runner = CliRunner()
+def test_bench_cli_end_to_end(tmp_path, cache_dir):
+    runner = CliRunner(env={"CUDAL2_CACHE_DIR": str(cache_dir)})
+    # K = 500 leaves rows that TMA cannot load (not 16-byte aligned): sm90_cutlass declines.
     args = ["bench", "--m", "1000", "--n", "3000", "--k", "500", "--budget", "0.3",
             "--results", str(tmp_path), "--mode", "both", "--json"]
     result = runner.invoke(app, args)
@@ -168,7 +169,10 @@ def test_bench_cli_end_to_end(tmp_path):
     rows = {r["kernel"]: r for r in json.loads(result.output)["rows"]}
     default = next(name for name in rows if name.startswith("sm80_mma("))
     assert {"cuBLAS", "torch.matmul"} <= set(rows)
-    for row in rows.values():
+    for name, row in rows.items():
+        if name.startswith("sm90_cutlass("):
+            assert row["status"] == "unsupported" and "returned" in row["error"], row
+            continue
         assert row["status"] == "ok", row
         assert row["offline_us"] > 0 and row["server_us"] > 0 and row["gpu"]
     assert rows[default]["speedup_offline"] == pytest.approx(rows[default]["cublas_offline_us"] / rows[default]["offline_us"])
