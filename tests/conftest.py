@@ -4,6 +4,7 @@ on machines without them and run for real where they exist."""
 from __future__ import annotations
 
 import functools
+import os
 import shutil
 from pathlib import Path
 
@@ -46,8 +47,10 @@ def pytest_collection_modifyitems(config, items):
 
 @pytest.fixture(scope="session")
 def cache_dir(tmp_path_factory) -> Path:
-    """One kernel cache for the whole session, so each source compiles once."""
-    return tmp_path_factory.mktemp("cache")
+    """One kernel cache for the whole session, so each source compiles once;
+    $CUDAL2_CACHE_DIR shares it with other runs (a GPU session's measurements)."""
+    shared = os.environ.get("CUDAL2_CACHE_DIR")
+    return Path(shared) if shared else tmp_path_factory.mktemp("cache")
 
 
 @pytest.fixture(scope="session")

@@ -64,11 +64,22 @@ SM90_SHAPES = ((4096, 4096, 4096), (1, 4096, 4096), (8, 8, 8), (3000, 24, 16), (
 SM90_REFUSED = ((128, 128, 1001), (128, 1001, 128))  # rows not 16-byte aligned for TMA
 
 
-@pytest.mark.parametrize("dtype, layout", [("fp16", "nn"), ("bf16", "nt"), ("fp16", "nt"), ("bf16", "nn")])
-def test_sm90_cutlass_default_is_correct_and_refuses_unaligned_rows(compiler, dtype, layout):
+VARIANTS = [("fp16", "nn"), ("bf16", "nt"), ("fp16", "nt"), ("bf16", "nn")]
+
+
+@pytest.fixture(scope="module")
+def sm90_builds(compiler):
+    """The default sm90_cutlass configuration for every dtype and layout, compiled in parallel."""
+    default = template_candidate("sm90_cutlass", {}, gpu_cc())
+    builds = compiler.compile_all([render(default, Problem(1, 1, 1, d, l)) for d, l in VARIANTS])
+    return dict(zip(VARIANTS, builds))
+
+
+@pytest.mark.parametrize("dtype, layout", VARIANTS)
+def test_sm90_cutlass_default_is_correct_and_refuses_unaligned_rows(sm90_builds, dtype, layout):
     import cupy
 
-    build = compiler.compile(render(template_candidate("sm90_cutlass", {}, gpu_cc()), Problem(1, 1, 1, dtype, layout)))
+    build = sm90_builds[dtype, layout]
     assert build.status == "ok", build.log[-3000:]
     kernel, num, rng = Kernel(str(build.library)), Numerics(dtype), random.Random(2)
     stream = cupy.cuda.Stream(non_blocking=True)
