@@ -18,9 +18,12 @@ from pathlib import Path
 
 from .errors import Cudal2Error
 
+# Many kernel libraries share one worker process. -fno-gnu-unique and -Bsymbolic keep each
+# library's inline/template statics its own: by default the dynamic linker merges such
+# "unique" symbols across libraries, and one kernel's cached set-up leaks into another's.
 BASE_FLAGS = (
-    "-O3", "-std=c++17", "-shared", "-Xcompiler", "-fPIC", "-cudart", "shared",
-    "--expt-relaxed-constexpr", "-Xptxas", "-v",
+    "-O3", "-std=c++17", "-shared", "-Xcompiler", "-fPIC,-fno-gnu-unique", "-Xlinker", "-Bsymbolic",
+    "-cudart", "shared", "--expt-relaxed-constexpr", "-Xptxas", "-v",
 )
 LIBRARY = "kernel.so"
 

@@ -43,8 +43,11 @@ ALLOWED_IMPORTS = frozenset({
     "_ZSt17__throw_bad_allocv", "_ZSt28__throw_bad_array_new_lengthv",
     "memset", "memcpy", "memmove", "memcmp", "strlen", "strcmp", "abort", "__assert_fail",
     "printf", "fprintf", "puts", "fputs", "fwrite", "putchar", "stderr", "stdout", "__udivti3",
+    # the same under _FORTIFY_SOURCE, as some distributions' compilers build them
+    "__printf_chk", "__fprintf_chk", "__memcpy_chk", "__memset_chk", "__memmove_chk",
+    "__snprintf_chk", "__sprintf_chk", "__vfprintf_chk",
     # <iostream>, pulled in by CuTe's printing helpers
-    "_ZSt4cout", "_ZSt4cerr", "_ZNSo3putEc", "_ZNSo5flushEv", "_ZNSo9_M_insertIPKvEERSoT_",
+    "_ZSt4cout", "_ZSt4cerr", "_ZSt21ios_base_library_initv", "_ZNSo3putEc", "_ZNSo5flushEv", "_ZNSo9_M_insertIPKvEERSoT_",
     "_ZNSo9_M_insertImEERSoT_", "_ZNSolsEi", "_ZNSt8ios_base4InitC1Ev", "_ZNSt8ios_base4InitD1Ev",
     "_ZNKSt5ctypeIcE13_M_widen_initEv", "_ZSt16__throw_bad_castv",
     "_ZSt16__ostream_insertIcSt11char_traitsIcEERSt13basic_ostreamIT_T0_ES6_PKS3_l",
