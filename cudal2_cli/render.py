@@ -38,8 +38,13 @@ def arch_cc(arch: str) -> int:
     return int(digits)
 
 
+@functools.cache
+def _compiled(expr: str):
+    return compile(expr, "<space.toml>", "eval")
+
+
 def _evaluate(expr: str, names: dict[str, Any]) -> Any:
-    return eval(expr, {"__builtins__": {}, "min": min, "max": max}, names)  # trusted: shipped files
+    return eval(_compiled(expr), {"__builtins__": {}, "min": min, "max": max}, names)  # trusted: shipped files
 
 
 @dataclass(frozen=True)
