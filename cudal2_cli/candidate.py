@@ -49,3 +49,12 @@ class Candidate:
             return self.label or f"source:{self.id}"
         inner = ",".join(f"{k}={v}" for k, v in self.params)
         return f"{self.template}({inner})"
+
+
+@dataclass(frozen=True)
+class Invalid:
+    """A proposal rejected before anything was compiled (a leaderboard row of status
+    "invalid"): why, and the offending part of the proposal, both shown to its author."""
+
+    reason: str
+    text: str

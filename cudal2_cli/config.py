@@ -40,6 +40,26 @@ def _coerce(name: str, raw: Any, kind: type, origin: str) -> Any:
     raise Cudal2Error(f"bad value {raw!r} for setting {name} (from {origin})")
 
 
+def config_table(table: str, kinds: dict[str, type], config: Path | None = None) -> dict[str, Any]:
+    """The settings in cudal2.toml's `[table]`, coerced to `kinds`: from `config`, else
+    $CUDAL2_CONFIG, else ./cudal2.toml when it exists (no file: no settings)."""
+    path = config or (Path(os.environ["CUDAL2_CONFIG"]) if "CUDAL2_CONFIG" in os.environ else Path("cudal2.toml"))
+    if config is None and not path.is_file():
+        return {}
+    try:
+        doc = tomllib.loads(path.read_text())
+    except OSError as exc:
+        raise Cudal2Error(f"cannot read config {path}: {exc.strerror}") from None
+    except tomllib.TOMLDecodeError as exc:
+        raise Cudal2Error(f"bad config {path}: {exc}") from None
+    values = {}
+    for name, raw in doc.get(table, {}).items():
+        if name not in kinds:
+            raise Cudal2Error(f"unknown setting {name!r} in {path} [{table}]; known: {', '.join(kinds)}")
+        values[name] = _coerce(name, raw, kinds[name], str(path))
+    return values
+
+
 def load_settings(cli: dict[str, Any] | None = None, config: Path | None = None) -> Settings:
     """Settings from the command line (None = not given), CUDAL2_* variables, and
     cudal2.toml (CUDAL2_CONFIG or ./cudal2.toml when it exists)."""
@@ -47,19 +67,7 @@ def load_settings(cli: dict[str, Any] | None = None, config: Path | None = None)
         "results": Path, "cache_dir": Path, "arch": str, "device": int, "budget": float,
         "qps": float, "timeout": float, "jobs": int,
     }
-    values: dict[str, Any] = {}
-    path = config or (Path(os.environ["CUDAL2_CONFIG"]) if "CUDAL2_CONFIG" in os.environ else Path("cudal2.toml"))
-    if config is not None or path.is_file():
-        try:
-            doc = tomllib.loads(path.read_text())
-        except OSError as exc:
-            raise Cudal2Error(f"cannot read config {path}: {exc.strerror}") from None
-        except tomllib.TOMLDecodeError as exc:
-            raise Cudal2Error(f"bad config {path}: {exc}") from None
-        for name, raw in doc.get("cudal2", {}).items():
-            if name not in kinds:
-                raise Cudal2Error(f"unknown setting {name!r} in {path} [cudal2]; known: {', '.join(kinds)}")
-            values[name] = _coerce(name, raw, kinds[name], str(path))
+    values = config_table("cudal2", kinds, config)
     for name, kind in kinds.items():
         env = f"CUDAL2_{name.upper()}"
         if env in os.environ:

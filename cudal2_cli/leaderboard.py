@@ -16,7 +16,7 @@ import pyarrow.parquet as pq
 
 from .errors import Cudal2Error
 
-STATUSES = ("ok", "unsupported", "compile_error", "wrong", "cheat", "crash", "timeout")
+STATUSES = ("ok", "unsupported", "compile_error", "wrong", "cheat", "crash", "timeout", "invalid")
 BASELINES = ("cuBLAS", "torch.matmul")
 
 _I, _F, _S = pa.int64(), pa.float64(), pa.string()
