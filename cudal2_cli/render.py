@@ -78,6 +78,7 @@ class Space:
     params: dict[str, Param]
     derived: dict[str, str]
     constraints: tuple[str, ...]
+    cost: dict[str, str]
 
     @classmethod
     def load(cls, path: Path) -> Space:
@@ -95,6 +96,7 @@ class Space:
             params=params,
             derived=dict(doc.get("derived", {})),
             constraints=tuple(doc.get("constraints", ())),
+            cost=dict(doc.get("cost", {})),
         )
 
     def runs_on(self, cc: int) -> bool:
@@ -109,6 +111,16 @@ class Space:
         for name, expr in self.derived.items():
             names[name] = _evaluate(expr, names)
         return names
+
+    def cost_inputs(self, params: dict[str, Any], cc: int, problem: Problem, sm_count: int) -> dict[str, Any]:
+        """The [cost] table for one configuration on one problem: tile_m, tile_n,
+        ctas_per_sm, efficiency, split_k (default 1) and requires (default True; False
+        means it cannot run this shape)."""
+        names = {**self.facts(params, cc), "m": problem.m, "n": problem.n, "k": problem.k, "sm_count": sm_count}
+        inputs = {name: _evaluate(expr, names) for name, expr in self.cost.items()}
+        inputs.setdefault("requires", True)
+        inputs.setdefault("split_k", 1)
+        return inputs
 
     def violations(self, params: dict[str, Any], cc: int) -> list[str]:
         names = self.facts(params, cc)

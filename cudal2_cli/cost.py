@@ -1,0 +1,60 @@
+"""A cheap cost model: predicted time of a configuration on a problem, for ranking.
+
+Waves and tile quantisation decide how much of the GPU a configuration keeps busy; the
+bytes each tile pulls through L2 decide whether it is fed. A template's `[cost]` table
+supplies its tile, its blocks per SM and the fraction of the tensor peak a full wave
+reaches (measured); everything else comes from the problem and the device.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+from .problem import Problem
+from .render import Template
+
+LAUNCH_US = 2.0  # a launch and its tail, measured: cuBLAS 64^3 takes ~2-3 us back to back
+L2_PER_DRAM = 2.5  # L2-to-SM bandwidth over DRAM bandwidth, roughly, on H100/H200
+
+
+def tensor_peak(device: dict[str, Any]) -> float:
+    """Dense fp16/bf16 FLOP/s at the boost clock."""
+    per_sm_clock = 4096 if device["cc"] >= 90 else 2048
+    return device["sm_count"] * device["max_sm_clock_mhz"] * 1e6 * per_sm_clock
+
+
+def dram_bandwidth(device: dict[str, Any]) -> float:
+    return device["memory_clock_khz"] * 1e3 * device["memory_bus_bits"] / 8 * 2
+
+
+def predict_us(template: Template, params: dict[str, Any], problem: Problem, device: dict[str, Any]) -> float:
+    """Predicted microseconds of `template` with `params` on `problem` (for ranking only);
+    infinite where the template says it cannot run the shape."""
+    c = template.space.cost_inputs(params, device["cc"], problem, device["sm_count"])
+    if not c["requires"]:
+        return math.inf
+    tm, tn, split = int(c["tile_m"]), int(c["tile_n"]), max(1, int(c["split_k"]))
+    tiles = math.ceil(problem.m / tm) * math.ceil(problem.n / tn)
+    slots = device["sm_count"] * max(1, int(c["ctas_per_sm"]))
+    waves = math.ceil(tiles * split / slots)
+    # Each wave costs as much as a full wave of whole tiles: padding and idle slots are paid.
+    per_slot_flops = tensor_peak(device) * float(c["efficiency"]) / slots
+    compute_s = waves * 2.0 * tm * tn * math.ceil(problem.k / split) / per_slot_flops
+    l2_bytes = tiles * (tm + tn) * problem.k * 2 + (tiles * tm * tn * 4 * 2 if split > 1 else 0)
+    memory_s = max(problem.min_bytes / dram_bandwidth(device), l2_bytes / (L2_PER_DRAM * dram_bandwidth(device)))
+    return max(compute_s, memory_s) * 1e6 + LAUNCH_US
+
+
+def rank(templates: dict[str, Template], problem: Problem, device: dict[str, Any]) -> list[tuple[float, str, dict]]:
+    """Every valid configuration of every template that supports the problem, fastest
+    predicted first: (predicted us, template name, params)."""
+    ranked = []
+    for name, template in templates.items():
+        if template.supports(problem, device["cc"]):
+            for params in template.space.configurations(device["cc"]):
+                predicted = predict_us(template, params, problem, device)
+                if predicted < math.inf:
+                    ranked.append((predicted, name, params))
+    ranked.sort(key=lambda entry: entry[0])
+    return ranked

@@ -1,0 +1,37 @@
+from cudal2_cli.cost import predict_us, rank
+from cudal2_cli.problem import Problem
+from cudal2_cli.render import get_template, load_templates
+
+H200 = {"cc": 90, "sm_count": 132, "max_sm_clock_mhz": 1980, "memory_clock_khz": 3201000, "memory_bus_bits": 6016}
+
+
+def sm90(**params):
+    return {**get_template("sm90_cutlass").space.defaults(), **params}
+
+
+def test_large_squares_rank_the_hopper_family_first_near_the_measured_time():
+    best_time, best_template, _ = rank(load_templates(), Problem(4096, 4096, 4096), H200)[0]
+    assert best_template == "sm90_cutlass"
+    assert 150 < best_time < 230  # measured: 186 us for its default, cuBLAS 182 us
+
+
+def test_stream_k_wins_when_few_tiles_leave_sms_idle():
+    skinny = Problem(1024, 128, 16384)  # 8 tiles of 128x128 for 132 SMs
+    template = get_template("sm90_cutlass")
+    persistent = predict_us(template, sm90(tile_n=128, tile_scheduler="persistent"), skinny, H200)
+    streamk = predict_us(template, sm90(tile_n=128, tile_scheduler="streamk"), skinny, H200)
+    assert streamk < persistent / 4
+
+
+def test_tile_quantisation_is_paid():
+    template = get_template("sm80_mma")
+    base = {**template.space.defaults(), "warps_m": 2, "warps_n": 2}
+    p = Problem(4224, 4224, 4096)  # 33 tiles of 128: a 256 tile pads to 4352
+    small = predict_us(template, {**base, "block_m": 128}, p, H200)
+    large = predict_us(template, {**base, "block_m": 256, "warps_m": 4}, p, H200)
+    assert small < large
+
+
+def test_shapes_tma_cannot_load_are_left_to_other_templates():
+    ranked = rank(load_templates(), Problem(100, 200, 300), H200)
+    assert ranked and {name for _, name, _ in ranked} == {"sm80_mma"}
