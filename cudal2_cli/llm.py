@@ -1,0 +1,333 @@
+"""The `llm` proposer: asks an OpenAI-compatible endpoint for candidates, as CUDA-L1 does.
+
+Each round renders a contrastive prompt (prompts/*.md.j2): the problem, the GPU, the cuBLAS
+baseline, the fastest and slowest measured candidates with their resource stats, and recent
+failures with their reasons. The reply's fenced blocks become candidates (template parameter
+sets or free-form sources) or `Invalid` proposals, whose reasons the next round shows.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+import re
+import statistics
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+from urllib.parse import urlparse
+
+import jinja2
+import openai
+
+from .candidate import Candidate, Invalid
+from .config import _coerce, config_table
+from .errors import Cudal2Error
+from .leaderboard import BASELINES
+from .problem import LAYOUT_HELP, Problem
+from .render import MAX_SMEM, Template, bundled_dir, get_template, load_templates, template_candidate
+from .verify import physical_floor_us
+
+
+@dataclass(frozen=True)
+class LLMSettings:
+    base_url: str | None = None  # None = the openai client's default
+    model: str = "gpt-4o-mini"
+    api_key_env: str = "OPENAI_API_KEY"  # the variable holding the key; the key is never stored
+    temperature: float = 0.7
+    max_tokens: int = 4096
+    timeout: float = 120.0  # seconds per request
+    max_rounds: int = 20  # requests per optimize run; past it propose() returns []
+    max_retries: int = 4  # the client's retries, with exponential backoff, on 429 / 5xx / no connection
+
+
+_KINDS = {
+    "base_url": str, "model": str, "api_key_env": str, "temperature": float, "max_tokens": int,
+    "timeout": float, "max_rounds": int, "max_retries": int,
+}
+
+
+def load_llm_settings(cli: dict[str, Any] | None = None, config: Path | None = None) -> LLMSettings:
+    """Settings from the command line (None = not given), the environment (OPENAI_BASE_URL,
+    CUDAL2_LLM_<FIELD>) and cudal2.toml's [llm] table (CUDAL2_CONFIG or ./cudal2.toml)."""
+    values = config_table("llm", _KINDS, config)
+    for name, kind in _KINDS.items():
+        env = "OPENAI_BASE_URL" if name == "base_url" else f"CUDAL2_LLM_{name.upper()}"
+        if env in os.environ:
+            values[name] = _coerce(name, os.environ[env], kind, env)
+    for name, raw in (cli or {}).items():
+        if raw is not None:
+            values[name] = _coerce(name, raw, _KINDS[name], "command line")
+    for name in ("temperature", "max_retries"):
+        if name in values and values[name] < 0:
+            raise Cudal2Error(f"setting {name} must be >= 0, got {values[name]}")
+    for name in ("max_tokens", "timeout", "max_rounds"):
+        if name in values and values[name] <= 0:
+            raise Cudal2Error(f"setting {name} must be > 0, got {values[name]}")
+    return dataclasses.replace(LLMSettings(), **values)
+
+
+class LLMProposer:
+    """Proposes candidates by asking a chat model; one request per round.
+
+    Every round's prompt and reply are kept under `run_dir` (llm-round-<k>-prompt.md,
+    llm-round-<k>-reply.md) and its token use is appended to llm-usage.jsonl.
+    """
+
+    name = "llm"
+
+    def __init__(self, settings: LLMSettings, *, run_dir: Path, cc: int, device: dict[str, Any], client=None):
+        self.settings = settings
+        self.run_dir = Path(run_dir)
+        self.cc = cc
+        self.device = device
+        self.client = client or _client(settings)
+        self.endpoint = str(getattr(self.client, "base_url", None) or settings.base_url or "the default endpoint")
+        self.rounds = 0
+        self.usage: list[dict[str, Any]] = []
+        self.prompts = jinja2.Environment(
+            loader=jinja2.FileSystemLoader(bundled_dir("prompts")),
+            undefined=jinja2.StrictUndefined, trim_blocks=True, lstrip_blocks=True, keep_trailing_newline=True,
+        )
+
+    def propose(self, problem: Problem, history: list[dict[str, Any]], n: int) -> list[Candidate | Invalid]:
+        """Up to `n` new candidates, plus the reply's rejected proposals; [] once the
+        round budget is spent."""
+        if self.rounds >= self.settings.max_rounds:
+            return []
+        self.rounds += 1
+        system = self.prompts.get_template("system.md.j2").render()
+        user = self.prompts.get_template("round.md.j2").render(self._facts(problem, history, n))
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        stem = self.run_dir / f"llm-round-{self.rounds}"
+        Path(f"{stem}-prompt.md").write_text(f"<!-- system -->\n{system}\n<!-- user -->\n{user}")
+        reply, usage = self._ask(system, user)
+        Path(f"{stem}-reply.md").write_text(reply)
+        self.usage.append(usage)
+        with open(self.run_dir / "llm-usage.jsonl", "a") as log:
+            log.write(json.dumps({"round": self.rounds, "model": self.settings.model, **usage}) + "\n")
+        return parse_reply(reply, problem, self.cc, n, label=f"llm-r{self.rounds}")
+
+    def _ask(self, system: str, user: str) -> tuple[str, dict[str, Any]]:
+        start = time.perf_counter()
+        try:
+            response = self.client.chat.completions.create(
+                model=self.settings.model,
+                messages=[{"role": "system", "content": system}, {"role": "user", "content": user}],
+                temperature=self.settings.temperature,
+                max_tokens=self.settings.max_tokens,
+            )
+        except openai.APITimeoutError:
+            raise Cudal2Error(
+                f"llm endpoint {self.endpoint} timed out after {self.settings.timeout:g} s "
+                f"({self.settings.max_retries} retries)"
+            ) from None
+        except openai.APIConnectionError as exc:
+            cause = exc.__cause__ or exc
+            raise Cudal2Error(f"cannot reach llm endpoint {self.endpoint}: {self._scrub(str(cause))}") from None
+        except openai.APIStatusError as exc:
+            raise Cudal2Error(
+                f"llm endpoint {self.endpoint} answered HTTP {exc.status_code}: {self._scrub(exc.message)}"
+            ) from None
+        seconds = time.perf_counter() - start
+        reply = (response.choices[0].message.content if response.choices else None) or ""
+        tokens = response.usage
+        return reply, {
+            "prompt_tokens": getattr(tokens, "prompt_tokens", None),
+            "completion_tokens": getattr(tokens, "completion_tokens", None),
+            "total_tokens": getattr(tokens, "total_tokens", None),
+            "cost": getattr(tokens, "cost", None),  # reported by some endpoints (e.g. OpenRouter)
+            "seconds": round(seconds, 3),
+        }
+
+    def _scrub(self, text: str) -> str:
+        """One line, without the API key (an endpoint may echo it in an error)."""
+        key = os.environ.get(self.settings.api_key_env)
+        text = " ".join(text.split())[:300]
+        return text.replace(key, "***") if key else text
+
+    def _facts(self, problem: Problem, history: list[dict[str, Any]], n: int) -> dict[str, Any]:
+        """What round.md.j2 shows."""
+        baselines = [us for row in history if (us := _number(row.get("cublas_offline_us")))]
+        baseline_us = statistics.median(baselines) if baselines else None
+        measured = sorted(
+            (row for row in history
+             if row.get("status") == "ok" and row.get("kernel") not in BASELINES
+             and _number(row.get("speedup_offline")) is not None),
+            key=lambda row: -row["speedup_offline"],
+        )
+        ranked: dict[str, dict[str, str]] = {}
+        for row in measured:  # fastest first; a kernel measured again keeps its best row
+            ranked.setdefault(_kernel(row), _measured(row))
+        ranked_rows = list(ranked.values())
+        failures = [
+            row for row in history if row.get("status") not in ("ok", None) and row.get("kernel") not in BASELINES
+        ][-6:]
+        return {
+            "problem": problem, "layout_help": LAYOUT_HELP[problem.layout], "cc": self.cc, "n": n,
+            "gpu": _gpu_facts(self.device, problem),
+            "baseline_us": baseline_us,
+            "baseline_tflops": problem.flops / baseline_us / 1e6 if baseline_us else None,
+            "templates": [
+                _template_facts(t, self.cc) for t in load_templates().values() if t.supports(problem, self.cc)
+            ],
+            "best": ranked_rows[:8],
+            "worst": ranked_rows[8:][-4:],
+            "failures": [
+                {"kernel": _kernel(row), "status": row["status"], "reason": _reason(row)} for row in failures
+            ],
+        }
+
+
+def _client(settings: LLMSettings) -> openai.OpenAI:
+    key = os.environ.get(settings.api_key_env)
+    if not key:
+        if urlparse(settings.base_url or "").hostname not in ("localhost", "127.0.0.1", "::1"):
+            raise Cudal2Error(f"set {settings.api_key_env} (or --api-key-env) for the llm proposer")
+        key = "unused"  # a local server needs none
+    return openai.OpenAI(
+        base_url=settings.base_url, api_key=key, timeout=settings.timeout, max_retries=settings.max_retries
+    )
+
+
+def _number(value: Any) -> float | None:
+    """A measured value, or None for a missing one (None, or NaN from pandas)."""
+    if value is None or isinstance(value, str) or (isinstance(value, float) and math.isnan(value)):
+        return None
+    return value
+
+
+def _text(value: Any) -> str | None:
+    return value if isinstance(value, str) and value else None
+
+
+def _kernel(row: dict[str, Any]) -> str:
+    """A candidate as the model should name it back: template and JSON parameters."""
+    template, params, kernel = _text(row.get("template")), _text(row.get("params")), _text(row.get("kernel"))
+    if template:
+        return f"{template} {params}" if params else kernel or template
+    return f"free-form source {kernel or '?'}"
+
+
+def _measured(row: dict[str, Any]) -> dict[str, str]:
+    def shown(column: str, form: str) -> str:
+        value = _number(row.get(column))
+        return "-" if value is None else form.format(value)
+
+    return {
+        "kernel": _kernel(row), "speedup": shown("speedup_offline", "{:.3f}x"), "time": shown("offline_us", "{:.2f}"),
+        "tflops": shown("tflops", "{:.1f}"), "registers": shown("registers", "{:.0f}"),
+        "smem": shown("smem_bytes", "{:.0f}"), "spills": shown("spill_bytes", "{:.0f}"),
+    }
+
+
+def _reason(row: dict[str, Any]) -> str:
+    """A failure's reason on one line; of a compiler log, its first few error lines."""
+    text = _text(row.get("error")) or "(no reason recorded)"
+    if row.get("status") == "compile_error":
+        lines = [line.strip() for line in text.splitlines() if re.search(r"error\s*:", line, re.I)]
+        lines = lines or text.strip().splitlines()[-3:]
+        # nvcc names the temporary build folder; the file name and line are what matter
+        text = " / ".join(re.sub(r"^\S*/(?=[^/\s]+\(\d+\))", "", line) for line in lines[:3])
+    text = " ".join(text.split())
+    return text if len(text) <= 400 else text[:400] + " ..."
+
+
+_GPU_FACTS = (
+    ("gpu", "name", "{}"),
+    ("sm_count", "streaming multiprocessors", "{}"),
+    ("max_sm_clock_mhz", "max SM clock", "{} MHz"),
+    ("l2_bytes", "L2 cache", "{} bytes"),
+    ("smem_optin_bytes", "shared memory per block (opt-in)", "{} bytes"),
+    ("memory_clock_khz", "memory clock", "{} kHz"),
+    ("memory_bus_bits", "memory bus width", "{} bits"),
+)
+
+
+def _gpu_facts(device: dict[str, Any], problem: Problem) -> list[tuple[str, str]]:
+    """The device facts that are known, as (label, text)."""
+    facts = [(label, form.format(device[key])) for key, label, form in _GPU_FACTS if device.get(key) is not None]
+    if device.get("cc") is not None:
+        facts.insert(1, ("compute capability", f"{device['cc'] // 10}.{device['cc'] % 10}"))
+    if all(device.get(key) is not None for key in ("cc", "sm_count", "max_sm_clock_mhz")):
+        floor = physical_floor_us(problem, device, cold_l2=False)
+        facts.append(("tensor-core time floor for this problem (peak FLOP/s at max clock)", f"{floor:.2f} us"))
+    return facts
+
+
+def _template_facts(template: Template, cc: int) -> dict[str, Any]:
+    space = template.space
+    return {
+        "name": template.name,
+        "description": space.description,
+        "params": [
+            {"name": p.name, "choices": ", ".join(json.dumps(v) for v in p.values),
+             "default": json.dumps(p.default), "help": p.help}
+            for p in space.params.values()
+        ],
+        "derived": list(space.derived.items()),
+        "constraints": space.constraints,
+        "max_smem": MAX_SMEM.get(cc, 232448),
+    }
+
+
+# A fenced block: its language tag, its body, and its closing fence (None when the reply
+# ends inside the block, as a reply cut off at max_tokens does).
+_FENCE = re.compile(r"^[ \t]*```[ \t]*([^\s`]*)[^\n]*\n(.*?)(?:(^[ \t]*```)|\Z)", re.M | re.S)
+_CODE = ("cuda", "cu", "cpp", "c++", "c")
+
+
+def parse_reply(reply: str, problem: Problem, cc: int, n: int, label: str) -> list[Candidate | Invalid]:
+    """The first `n` distinct candidates in the reply's fenced blocks, then an `Invalid` for
+    every block or JSON object that could not be used (candidates `label`-1, -2, ...)."""
+    candidates: list[Candidate] = []
+    rejected: list[Invalid] = []
+    for match in _FENCE.finditer(reply):
+        tag, body, closed = match.group(1).lower(), match.group(2), match.group(3)
+        if not tag:
+            tag = "json" if body.lstrip()[:1] in ("{", "[") else "cuda"
+        if tag not in ("json", *_CODE):
+            continue  # prose in a fence (```text, ```bash): not a proposal
+        if not closed:
+            rejected.append(_invalid("the reply ended inside a code block (max_tokens reached?)", body))
+        elif tag != "json":
+            if "cudal2_gemm" in body:
+                candidates.append(Candidate.from_source(body, label=f"{label}-{len(candidates) + 1}"))
+            else:
+                rejected.append(_invalid("the source does not define cudal2_gemm (see the kernel ABI)", body))
+        else:
+            try:
+                doc = json.loads(body)
+            except json.JSONDecodeError as exc:
+                rejected.append(_invalid(f"bad JSON: {exc}", body))
+                continue
+            for proposal in doc if isinstance(doc, list) else [doc]:
+                try:
+                    candidates.append(_template_candidate(proposal, problem, cc))
+                except Cudal2Error as exc:
+                    rejected.append(_invalid(str(exc), json.dumps(proposal)))
+    if not candidates and not rejected:
+        return [_invalid("no candidate blocks in the reply", reply)]
+    return list(dict.fromkeys(candidates))[:n] + rejected
+
+
+def _template_candidate(proposal: Any, problem: Problem, cc: int) -> Candidate:
+    shape = 'a JSON candidate is {"template": "<name>", "params": {"<parameter>": <value>, ...}}'
+    if not isinstance(proposal, dict) or not isinstance(proposal.get("template"), str):
+        raise Cudal2Error(shape)
+    if set(proposal) - {"template", "params"} or not isinstance(proposal.get("params", {}), dict):
+        raise Cudal2Error(f"unexpected keys or params: {shape}")
+    name, params = proposal["template"], proposal.get("params", {})
+    for key, value in params.items():
+        if isinstance(value, bool) or not isinstance(value, (int, str)):
+            raise Cudal2Error(f"parameter {key} takes an integer or a string, got {json.dumps(value)}")
+    if not get_template(name).supports(problem, cc):
+        raise Cudal2Error(f"template {name} does not support {problem.dtype} {problem.layout} on compute capability {cc}")
+    return template_candidate(name, params, cc)
+
+
+def _invalid(reason: str, text: str) -> Invalid:
+    return Invalid(reason=reason, text=text if len(text) <= 2000 else text[:2000] + "\n...")

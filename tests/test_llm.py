@@ -1,0 +1,344 @@
+"""The llm proposer through the real openai client, against a real HTTP server on 127.0.0.1
+that speaks the chat-completions protocol and replies from a script."""
+
+from __future__ import annotations
+
+import json
+import os
+import threading
+import time
+from dataclasses import dataclass, field
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+import pytest
+
+from cudal2_cli.candidate import Candidate, Invalid
+from cudal2_cli.config import load_settings
+from cudal2_cli.errors import Cudal2Error
+from cudal2_cli.llm import LLMProposer, LLMSettings, load_llm_settings
+from cudal2_cli.problem import Problem
+from cudal2_cli.render import load_templates, template_candidate
+
+KEY = "sk-cudal2-FAKE-4f9e1c2b7a63d0"
+PROBLEM = Problem(4096, 4096, 4096)
+DEVICE = {
+    "gpu": "NVIDIA H200", "cc": 90, "sm_count": 132, "max_sm_clock_mhz": 1980, "l2_bytes": 52428800,
+    "smem_optin_bytes": 232448, "memory_clock_khz": 3201000, "memory_bus_bits": 6144,
+}
+GOOD = {"block_m": 128, "block_n": 256, "warps_m": 2, "warps_n": 4, "stages": 3}
+SOURCE = """#include <cuda_fp16.h>
+extern "C" int cudal2_gemm(const void* A, const void* B, void* C, int M, int N, int K,
+                           void* workspace, size_t workspace_bytes, cudaStream_t stream) { return 1; }
+"""
+HISTORY = [
+    {"kernel": "cuBLAS", "status": "ok", "offline_us": 140.0, "cublas_offline_us": 140.0},
+    {"kernel": "sm80_mma(...)", "template": "sm80_mma", "params": json.dumps({"block_m": 64, "stages": 2}),
+     "status": "ok", "speedup_offline": 0.4521, "offline_us": 309.7, "cublas_offline_us": 140.0,
+     "tflops": 443.8, "registers": 96, "smem_bytes": 49152, "spill_bytes": 0, "error": None},
+    {"kernel": "sm80_mma(...)", "template": "sm80_mma", "params": json.dumps({"block_m": 128, "stages": 4}),
+     "status": "ok", "speedup_offline": 0.9107, "offline_us": 153.7, "cublas_offline_us": 140.0,
+     "tflops": 894.2, "registers": 232, "smem_bytes": 131072, "spill_bytes": float("nan"), "error": None},
+    {"kernel": "llm-r1-1", "template": None, "params": None, "status": "compile_error",
+     "error": 'nvcc -O3 ...\n/tmp/cudal2-build-x1/kernel.cu(12): error: identifier "foo" is undefined\n1 error detected'},
+    {"kernel": "sm80_mma(...)", "template": "sm80_mma", "params": None, "status": "invalid",
+     "error": "stages=9 is outside template sm80_mma's space (2, 3, 4, 5)"},
+]
+
+
+@dataclass
+class Step:
+    content: str = ""
+    status: int = 200
+    delay: float = 0.0
+    headers: dict = field(default_factory=dict)
+    usage: dict = field(default_factory=lambda: {"prompt_tokens": 1200, "completion_tokens": 300, "total_tokens": 1500})
+
+
+class Endpoint:
+    """Serves the scripted steps in order (500 when the script runs out); keeps every request."""
+
+    def __init__(self):
+        self.script: list[Step] = []
+        self.requests: list[dict] = []
+        self.url = ""
+
+    def reply(self, content: str = "", **step) -> Endpoint:
+        self.script.append(Step(content, **step))
+        return self
+
+    def prompt(self, i: int = -1) -> str:
+        return "\n".join(m["content"] for m in self.requests[i]["body"]["messages"])
+
+
+class _Server(ThreadingHTTPServer):
+    def handle_error(self, request, client_address):
+        pass  # a client that gave up (the timeout test) is expected
+
+
+@pytest.fixture
+def endpoint():
+    state = Endpoint()
+
+    class Handler(BaseHTTPRequestHandler):
+        def do_POST(self):
+            body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+            state.requests.append({"path": self.path, "headers": {k.lower(): v for k, v in self.headers.items()}, "body": body})
+            step = state.script.pop(0) if state.script else Step(status=500)
+            time.sleep(step.delay)
+            if self.path != "/v1/chat/completions":
+                step = Step(status=404)
+            if step.status == 200:
+                payload = {
+                    "id": f"chatcmpl-{len(state.requests)}", "object": "chat.completion", "created": int(time.time()),
+                    "model": body["model"],
+                    "choices": [{"index": 0, "message": {"role": "assistant", "content": step.content},
+                                 "finish_reason": "stop"}],
+                    "usage": step.usage,
+                }
+            else:
+                payload = {"error": {"message": f"scripted failure {step.status}", "type": "server_error"}}
+            data = json.dumps(payload).encode()
+            self.send_response(step.status)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(data)))
+            for name, value in step.headers.items():
+                self.send_header(name, value)
+            self.end_headers()
+            self.wfile.write(data)
+
+        def log_message(self, *args):
+            pass
+
+    server = _Server(("127.0.0.1", 0), Handler)
+    thread = threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True)
+    thread.start()
+    state.url = f"http://127.0.0.1:{server.server_address[1]}/v1"
+    yield state
+    server.shutdown()
+    server.server_close()
+
+
+@pytest.fixture(autouse=True)
+def environment(monkeypatch, tmp_path):
+    for name in [v for v in os.environ if v.startswith(("CUDAL2_", "OPENAI_"))]:
+        monkeypatch.delenv(name)
+    monkeypatch.setenv("OPENAI_API_KEY", KEY)
+    monkeypatch.chdir(tmp_path)
+
+
+def make_proposer(endpoint, tmp_path, cc=90, **settings) -> LLMProposer:
+    settings = LLMSettings(base_url=endpoint.url, **{"max_retries": 0, **settings})
+    return LLMProposer(settings, run_dir=tmp_path / "run", cc=cc, device=DEVICE)
+
+
+def fenced(tag: str, body: str) -> str:
+    return f"```{tag}\n{body}\n```"
+
+
+def test_json_block_becomes_the_template_candidate(endpoint, tmp_path):
+    endpoint.reply("The fast ones use big tiles.\n\n" + fenced("json", json.dumps({"template": "sm80_mma", "params": GOOD})))
+    proposer = make_proposer(endpoint, tmp_path, model="tuner-1", temperature=0.2, max_tokens=777)
+    assert proposer.propose(PROBLEM, [], 4) == [template_candidate("sm80_mma", GOOD, 90)]
+    request = endpoint.requests[0]
+    assert request["path"] == "/v1/chat/completions"
+    assert request["headers"]["authorization"] == f"Bearer {KEY}"
+    body = request["body"]
+    assert (body["model"], body["temperature"], body["max_tokens"]) == ("tuner-1", 0.2, 777)
+    assert [m["role"] for m in body["messages"]] == ["system", "user"]
+    assert proposer.usage[0]["prompt_tokens"] == 1200 and proposer.usage[0]["cost"] is None
+
+
+def test_json_list_and_free_form_source(endpoint, tmp_path):
+    other = {"block_m": 64, "block_n": 128, "warps_m": 2, "stages": 5}
+    listed = json.dumps([{"template": "sm80_mma", "params": GOOD}, {"template": "sm80_mma", "params": other}])
+    endpoint.reply(f"Why: ...\n{fenced('json', listed)}\nand a source:\n{fenced('cuda', SOURCE)}")
+    endpoint.reply(f"{fenced('json', listed)}\n{fenced('c++', SOURCE)}")
+    proposer = make_proposer(endpoint, tmp_path)
+    first = proposer.propose(PROBLEM, [], 3)
+    assert first == [template_candidate("sm80_mma", GOOD, 90), template_candidate("sm80_mma", other, 90),
+                     Candidate.from_source(SOURCE + "\n")]
+    assert first[2].label == "llm-r1-3"
+    assert proposer.propose(PROBLEM, [], 2) == first[:2]  # at most n candidates
+
+
+BAD_JSON = '{"template": "sm80_mma", "params": {"stages": 3,}}'
+
+
+@pytest.mark.parametrize("reply, cc, reason, text", [
+    (fenced("json", BAD_JSON), 90, "bad JSON: Expecting property name", BAD_JSON),
+    (fenced("json", '{"template": "sm70_wmma", "params": {}}'), 90, "unknown template 'sm70_wmma'", "sm70_wmma"),
+    (fenced("json", '{"template": "sm80_mma", "params": {"stages": 9}}'), 90,
+     "stages=9 is outside template sm80_mma's space", '"stages": 9'),
+    (fenced("json", '{"template": "sm80_mma", "params": {"block_m": 32, "warps_m": 4}}'), 90,
+     "fails block_m % (warps_m * 16) == 0", '"block_m": 32'),
+    (fenced("json", '{"template": "sm80_mma", "params": {"stagez": 3}}'), 90, "unknown parameter stagez", "stagez"),
+    (fenced("json", '{"template": "sm80_mma", "parameters": {"stages": 3}}'), 90, "unexpected keys", "parameters"),
+    (fenced("json", '{"template": "sm80_mma", "params": {"stages": 3.0}}'), 90,
+     "parameter stages takes an integer or a string", "3.0"),
+    (fenced("json", '{"template": "sm90_cutlass", "params": {}}'), 80,
+     "template sm90_cutlass does not support fp16 nn on compute capability 80", "sm90_cutlass"),
+    (fenced("cuda", "__global__ void gemm() {}"), 90, "does not define cudal2_gemm", "__global__ void gemm"),
+    ("Use bigger tiles and more stages.", 90, "no candidate blocks in the reply", "bigger tiles"),
+    ("Here it is:\n```cuda\nextern \"C\" int cudal2_gemm(", 90, "ended inside a code block", "cudal2_gemm("),
+])
+def test_malformed_replies_become_invalid(endpoint, tmp_path, reply, cc, reason, text):
+    endpoint.reply(reply)
+    [invalid] = make_proposer(endpoint, tmp_path, cc=cc).propose(PROBLEM, [], 4)
+    assert isinstance(invalid, Invalid)
+    assert reason in invalid.reason and text in invalid.text
+
+
+def test_good_and_bad_blocks_of_one_reply(endpoint, tmp_path):
+    endpoint.reply(f"{fenced('json', BAD_JSON)}\n{fenced('text', 'notes')}\n{fenced('cpp', SOURCE)}")
+    candidate, invalid = make_proposer(endpoint, tmp_path).propose(PROBLEM, [], 4)
+    assert candidate.source == SOURCE + "\n" and invalid.reason.startswith("bad JSON")
+
+
+def test_slow_endpoint_times_out_with_the_endpoint_named(endpoint, tmp_path):
+    endpoint.reply(fenced("json", json.dumps({"template": "sm80_mma", "params": GOOD})), delay=1.0)
+    proposer = make_proposer(endpoint, tmp_path, timeout=0.5, max_retries=0)
+    start = time.perf_counter()
+    with pytest.raises(Cudal2Error, match=rf"llm endpoint {endpoint.url}/? timed out after 0.5 s"):
+        proposer.propose(PROBLEM, [], 1)
+    assert time.perf_counter() - start < 0.95
+
+
+def test_rate_limit_is_retried(endpoint, tmp_path):
+    endpoint.reply(status=429, headers={"retry-after-ms": "10"})
+    endpoint.reply(fenced("json", json.dumps({"template": "sm80_mma", "params": GOOD})))
+    proposer = make_proposer(endpoint, tmp_path, max_retries=2)
+    assert proposer.propose(PROBLEM, [], 1) == [template_candidate("sm80_mma", GOOD, 90)]
+    assert len(endpoint.requests) == 2
+
+
+def test_persistent_server_error_is_one_line(endpoint, tmp_path):
+    endpoint.reply(status=500, headers={"retry-after-ms": "10"}).reply(status=500, headers={"retry-after-ms": "10"})
+    proposer = make_proposer(endpoint, tmp_path, max_retries=1)
+    with pytest.raises(Cudal2Error, match=rf"llm endpoint {endpoint.url}/? answered HTTP 500") as caught:
+        proposer.propose(PROBLEM, [], 1)
+    assert len(endpoint.requests) == 2 and "\n" not in str(caught.value) and KEY not in str(caught.value)
+
+
+def test_prompt_is_contrastive(endpoint, tmp_path):
+    endpoint.reply("nothing useful")
+    make_proposer(endpoint, tmp_path).propose(PROBLEM, HISTORY, 2)
+    prompt = endpoint.prompt()
+    assert "M = 4096, N = 4096, K = 4096" in prompt and "fp16" in prompt and "A[M,K] @ B[K,N]" in prompt
+    assert "NVIDIA H200" in prompt and "streaming multiprocessors: 132" in prompt
+    assert "140.00 us" in prompt  # the cuBLAS baseline
+    fast, slow = prompt.index("0.911x"), prompt.index("0.452x")
+    assert fast < slow and 'sm80_mma {"block_m": 128, "stages": 4}' in prompt
+    assert "| 232 | 131072 | - |" in prompt  # registers, shared memory, unknown spills
+    assert 'kernel.cu(12): error: identifier "foo" is undefined' in prompt and "/tmp/cudal2-build" not in prompt
+    assert "1 error detected" not in prompt
+    assert "stages=9 is outside template sm80_mma's space" in prompt
+    for template in load_templates().values():
+        assert f"## {template.name}" in prompt
+        assert all(f"`{name}`" in prompt for name in template.space.params)
+    assert "`stages`: 2, 3, 4, 5 [4]" in prompt and '`stages`: "auto", 2, 3, 4, 5, 6, 7, 8 ["auto"]' in prompt
+    assert "smem_bytes <= max_smem" in prompt and "max_smem = 232448" in prompt
+    assert 'extern "C" int cudal2_gemm(const void* A, const void* B, void* C, int M, int N, int K,' in prompt
+    assert 'extern "C" size_t cudal2_workspace_bytes(int M, int N, int K);' in prompt
+    assert prompt.index("explain why the fast candidates are fast") < prompt.index("exactly 2 new candidates")
+
+
+def test_prompt_shows_the_best_eight_and_the_worst_four(endpoint, tmp_path):
+    rows = [{"kernel": "k", "template": "sm80_mma", "params": json.dumps({"group_m": i}), "status": "ok",
+             "speedup_offline": i / 100, "offline_us": 14000.0 / i} for i in range(1, 16)]
+    rows.append({**rows[-1], "speedup_offline": 0.001})  # a slower re-measurement of the best
+    endpoint.reply("nothing")
+    make_proposer(endpoint, tmp_path).propose(PROBLEM, rows, 1)
+    shown = [i for i in range(1, 16) if f'{{"group_m": {i}}} |' in endpoint.prompt()]
+    assert shown == [1, 2, 3, 4] + list(range(8, 16))
+    assert endpoint.prompt().index("0.150x") < endpoint.prompt().index("# Slowest") < endpoint.prompt().index("0.040x")
+    assert "0.001x" not in endpoint.prompt()
+
+
+def test_prompt_offers_only_templates_for_the_gpu(endpoint, tmp_path):
+    endpoint.reply("nothing")
+    make_proposer(endpoint, tmp_path, cc=80).propose(PROBLEM, [], 1)
+    assert "## sm80_mma" in endpoint.prompt() and "## sm90_cutlass" not in endpoint.prompt()
+    assert "cuBLAS has not been measured" in endpoint.prompt() and "Nothing has been measured yet" in endpoint.prompt()
+
+
+def test_rounds_are_kept_and_the_key_never_written(endpoint, tmp_path):
+    endpoint.reply("```json\n[]\n```", usage={"prompt_tokens": 10, "completion_tokens": 5, "total_tokens": 15,
+                                             "cost": 0.0012})
+    endpoint.reply("no blocks")
+    endpoint.reply(status=401)
+    proposer = make_proposer(endpoint, tmp_path)
+    proposer.propose(PROBLEM, HISTORY, 1)
+    proposer.propose(PROBLEM, HISTORY, 1)
+    with pytest.raises(Cudal2Error, match="answered HTTP 401"):
+        proposer.propose(PROBLEM, HISTORY, 1)
+    run = tmp_path / "run"
+    assert {p.name for p in run.iterdir()} == {
+        "llm-round-1-prompt.md", "llm-round-1-reply.md", "llm-round-2-prompt.md", "llm-round-2-reply.md",
+        "llm-round-3-prompt.md", "llm-usage.jsonl",
+    }
+    assert "cudal2_gemm" in (run / "llm-round-1-prompt.md").read_text()
+    assert (run / "llm-round-2-reply.md").read_text() == "no blocks"
+    lines = [json.loads(line) for line in (run / "llm-usage.jsonl").read_text().splitlines()]
+    assert [(u["round"], u["total_tokens"], u["cost"]) for u in lines] == [(1, 15, 0.0012), (2, 1500, None)]
+    assert all(u["model"] == "gpt-4o-mini" and u["seconds"] >= 0 for u in lines)
+    assert [u["cost"] for u in proposer.usage] == [0.0012, None]
+    assert all(r["headers"]["authorization"] == f"Bearer {KEY}" for r in endpoint.requests)  # the key was used
+    for path in run.iterdir():
+        assert KEY not in path.read_text()
+
+
+def test_max_rounds_is_honoured(endpoint, tmp_path):
+    endpoint.reply("none").reply("none").reply("none")
+    proposer = make_proposer(endpoint, tmp_path, max_rounds=2)
+    assert [len(proposer.propose(PROBLEM, [], 1)) for _ in range(3)] == [1, 1, 0]
+    assert len(endpoint.requests) == 2
+
+
+def test_key_is_required_except_for_a_local_endpoint(endpoint, tmp_path, monkeypatch):
+    monkeypatch.delenv("OPENAI_API_KEY")
+    with pytest.raises(Cudal2Error, match=r"set OPENAI_API_KEY \(or --api-key-env\) for the llm proposer"):
+        LLMProposer(LLMSettings(base_url="https://llm.example.com/v1"), run_dir=tmp_path, cc=90, device=DEVICE)
+    with pytest.raises(Cudal2Error, match="set MY_LLM_KEY"):
+        LLMProposer(LLMSettings(api_key_env="MY_LLM_KEY"), run_dir=tmp_path, cc=90, device=DEVICE)
+    endpoint.reply("none")
+    make_proposer(endpoint, tmp_path).propose(PROBLEM, [], 1)
+    assert endpoint.requests[0]["headers"]["authorization"] == "Bearer unused"
+
+
+def test_unreachable_endpoint_is_named(tmp_path):
+    settings = LLMSettings(base_url="http://127.0.0.1:9/v1", max_retries=0, timeout=2)
+    with pytest.raises(Cudal2Error, match=r"cannot reach llm endpoint http://127.0.0.1:9/v1"):
+        LLMProposer(settings, run_dir=tmp_path, cc=90, device=DEVICE).propose(PROBLEM, [], 1)
+
+
+def test_settings_precedence_cli_env_file_default(tmp_path, monkeypatch):
+    cfg = tmp_path / "cudal2.toml"
+    cfg.write_text('[cudal2]\nbudget = 2.0\n[llm]\nmodel = "from-file"\ntemperature = 0.1\nmax_tokens = 1000\n'
+                   'base_url = "http://file/v1"\n')
+    monkeypatch.setenv("CUDAL2_LLM_MODEL", "from-env")
+    monkeypatch.setenv("CUDAL2_LLM_TEMPERATURE", "0.3")
+    monkeypatch.setenv("OPENAI_BASE_URL", "http://env/v1")
+    s = load_llm_settings({"model": "from-cli", "temperature": None, "api_key_env": "MY_KEY"})
+    assert (s.model, s.temperature, s.max_tokens, s.base_url, s.api_key_env) == (
+        "from-cli", 0.3, 1000, "http://env/v1", "MY_KEY")
+    assert (s.timeout, s.max_rounds, s.max_retries) == (120.0, 20, 4)  # defaults
+    assert load_settings().budget == 2.0  # the [llm] table does not disturb [cudal2]
+
+
+@pytest.mark.parametrize("text, message", [
+    ('[llm]\ntemperature = "hot"\n', "bad value 'hot' for setting temperature"),
+    ('[llm]\nmodle = "x"\n', r"unknown setting 'modle' in .*c.toml \[llm\]"),
+    ("[llm]\nmax_rounds = 0\n", "max_rounds must be > 0"),
+    ("[llm]\nmax_retries = -1\n", "max_retries must be >= 0"),
+])
+def test_bad_llm_config_is_named(tmp_path, text, message):
+    cfg = tmp_path / "c.toml"
+    cfg.write_text(text)
+    with pytest.raises(Cudal2Error, match=message):
+        load_llm_settings(config=cfg)
+
+
+def test_bad_llm_environment_is_named(monkeypatch):
+    monkeypatch.setenv("CUDAL2_LLM_MAX_TOKENS", "lots")
+    with pytest.raises(Cudal2Error, match=r"bad value 'lots' for setting max_tokens \(from CUDAL2_LLM_MAX_TOKENS\)"):
+        load_llm_settings()
