@@ -218,6 +218,109 @@ def print_bench_table(rows: list[dict[str, Any]], modes: list[str]) -> None:
     show_table(headers, lines)
 
 
+# --------------------------------------------------------------------------- optimize
+
+@app.command()
+@cli_errors
+def optimize(
+    m: M, n: N, k: K,
+    dtype: Dtype = "fp16",
+    layout: Layout = "nn",
+    proposer: Annotated[str, typer.Option(help="search (cost model + local search) | llm | hybrid")] = "search",
+    iterations: Annotated[int, typer.Option(help="batches to propose")] = 10,
+    batch: Annotated[int, typer.Option(help="candidates per batch")] = 8,
+    time_budget: Annotated[Optional[float], typer.Option(help="wall-clock seconds for the run")] = None,
+    patience: Annotated[Optional[int], typer.Option(help="stop after this many batches without a better kernel")] = 3,
+    seed: Annotated[int, typer.Option(help="seed of the search proposer")] = 0,
+    model: Annotated[Optional[str], typer.Option(help="LLM model name (llm, hybrid)")] = None,
+    base_url: Annotated[Optional[str], typer.Option(help="OpenAI-compatible endpoint (llm, hybrid)")] = None,
+    mode: Annotated[str, typer.Option(help="offline | server: the mode that decides the best kernel")] = "offline",
+    budget: Annotated[Optional[float], typer.Option(help="seconds of timing per kernel")] = None,
+    remeasure: Annotated[bool, typer.Option(help="measure candidates again even if the leaderboard has them")] = False,
+    results: Results = None,
+    arch: Arch = None,
+    json_out: Json = False,
+) -> None:
+    """Search for the fastest kernel for one problem: propose, compile, verify, bench, record.
+
+    Warm-starts from the leaderboard; every row is recorded as it is measured, so Ctrl-C
+    keeps everything and a re-run measures nothing twice. The best kernel is exported to
+    results/best/<gpu>/<dtype>_<layout>/<m>_<n>_<k>.cu.
+    """
+    from .optimize import Budget, optimize as run_optimize
+    from .propose import HybridProposer, SearchProposer
+
+    if mode not in ("offline", "server"):
+        raise Cudal2Error(f"unknown mode {mode!r}; choose offline or server")
+    if proposer not in ("search", "llm", "hybrid"):
+        raise Cudal2Error(f"unknown proposer {proposer!r}; choose search, llm or hybrid")
+    for name, value in (("iterations", iterations), ("batch", batch)):
+        if value < 1:
+            raise Cudal2Error(f"--{name} must be >= 1, got {value}")
+    problem = Problem.parse(m, n, k, dtype, layout)
+    settings = load_settings({"budget": budget, "results": results, "arch": arch})
+    llm_settings = None
+    if proposer != "search":
+        from .llm import load_llm_settings
+
+        llm_settings = load_llm_settings({"model": model, "base_url": base_url})
+    find_nvcc()
+    leaderboard = Leaderboard(settings.results)
+    leaderboard.read()
+    with Worker(settings.device) as worker:
+        env = worker.start()
+        compiler = Compiler(settings.arch or default_arch(env["cc"]), settings.cache_dir, settings.jobs, settings.timeout)
+        run_id = new_run_id()
+        search = SearchProposer(env, seed=seed)
+        chosen = search
+        if llm_settings is not None:
+            from .llm import LLMProposer
+
+            llm = LLMProposer(llm_settings, run_dir=settings.results / "runs" / run_id, cc=env["cc"], device=env)
+            chosen = llm if proposer == "llm" else HybridProposer(llm, search)
+        ctx = Context(problem, settings, worker, compiler, leaderboard, run_id, mode=mode,
+                      proposer=proposer, model=llm_settings.model if llm_settings else None)
+        outcome = run_optimize(ctx, chosen, Budget(iterations, batch, time_budget, patience),
+                               remeasure=remeasure, on_event=None if json_out else progress_printer())
+    summary = {
+        "problem": problem.__dict__, "gpu": env["gpu"], "baseline_us": outcome.baseline_us,
+        "best": jsonable([outcome.best])[0] if outcome.best else None,
+        "exported": str(outcome.exported) if outcome.exported else None,
+        "statuses": outcome.statuses, "stopped": outcome.stopped, "duplicates": outcome.duplicates,
+        "wall_s": round(outcome.wall_s, 2), "gpu_s": round(outcome.gpu_s, 2), "compile_s": round(outcome.compile_s, 2),
+        "run_id": run_id,
+    }
+    if json_out:
+        print(json.dumps(summary, indent=1, default=str))
+        return
+    best = outcome.best
+    print(f"baseline cuBLAS: {fmt(outcome.baseline_us)} us")
+    if best:
+        print(f"best: {best['kernel']}: {fmt(best['offline_us'])} us, {fmt(best['speedup_offline'], 3)}x cuBLAS "
+              f"-> {outcome.exported}")
+    else:
+        print("best: no verified kernel")
+    print("candidates: " + ", ".join(f"{n} {s}" for s, n in sorted(outcome.statuses.items())) +
+          f"; {outcome.duplicates} skipped as already measured")
+    print(f"stopped: {outcome.stopped}; wall {outcome.wall_s:.1f} s, GPU {outcome.gpu_s:.1f} s, "
+          f"compile {outcome.compile_s:.1f} s")
+
+
+def progress_printer():
+    """Plain progress lines (one per event), for terminals and logs alike."""
+    def emit(kind: str, info: dict[str, Any]) -> None:
+        if kind == "baseline":
+            print(f"cuBLAS baseline: {fmt(info['us'])} us", flush=True)
+        elif kind == "batch":
+            print(f"batch {info['iteration']}: {info['candidates']} to measure, {info['invalid']} invalid", flush=True)
+        elif kind == "measured":
+            row = info["row"]
+            detail = f"{fmt(row.get('speedup_offline'), 3)}x" if row["status"] == "ok" else (row.get("error") or "").splitlines()[0][:100] if row.get("error") else ""
+            print(f"  {row['status']:<13} {detail:<12} {row['kernel']}  (best {info['best_speedup']:.3f}x)", flush=True)
+
+    return emit
+
+
 # ------------------------------------------------------------------------ leaderboard
 
 @app.command("leaderboard")

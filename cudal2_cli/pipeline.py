@@ -104,24 +104,50 @@ def _candidate_row(ctx: Context, candidate: Candidate, source: str, build: Build
     return row
 
 
-def evaluate(ctx: Context, candidates: list[Candidate]) -> Iterator[dict[str, Any]]:
-    """Compiles all candidates in parallel, then verifies and benches each on the GPU.
+@dataclass
+class Built:
+    """A candidate rendered and compiled, ready for the GPU."""
+
+    candidate: Candidate
+    source: str
+    build: Build
+
+
+def build_all(ctx: Context, candidates: list[Candidate]) -> list[Built]:
+    """Renders and compiles every candidate, in parallel (no GPU needed)."""
+    sources = [render(c, ctx.problem) for c in candidates]
+    return [Built(c, s, b) for c, s, b in zip(candidates, sources, ctx.compiler.compile_all(sources))]
+
+
+def measure(ctx: Context, built: list[Built]) -> Iterator[dict[str, Any]]:
+    """Verifies and benches each compiled candidate on the GPU.
 
     Yields one row per candidate as soon as it exists; each row is already appended to the
     leaderboard, so an interrupted run keeps everything measured so far.
     """
-    sources = [render(c, ctx.problem) for c in candidates]
-    builds = ctx.compiler.compile_all(sources)
-    for candidate, source, build in zip(candidates, sources, builds):
-        row = _candidate_row(ctx, candidate, source, build)
-        if build.status != "ok":
-            row.update(status=build.status, error=build.log[-LOG_LIMIT:])
-        elif bad := forbidden_imports(build.imports):
+    for item in built:
+        row = _candidate_row(ctx, item.candidate, item.source, item.build)
+        if item.build.status != "ok":
+            row.update(status=item.build.status, error=item.build.log[-LOG_LIMIT:])
+        elif bad := forbidden_imports(item.build.imports):
             row.update(status="cheat", error=f"imports forbidden symbols: {', '.join(bad)}")
         else:
-            result = ctx.worker.request(ctx.job("kernel", library=str(build.library)), ctx.settings.timeout)
+            job = ctx.job("kernel", library=str(item.build.library))
+            result = ctx.worker.request(job, ctx.settings.timeout)
             row.update(status=result["status"], error=result.get("error") or None,
                        max_error=result.get("max_error"), tolerance=result.get("tolerance"),
                        **_timing_columns(result.get("timings", {}), "kernel", ctx.problem.flops))
         ctx.leaderboard.append([row])
         yield row
+
+
+def evaluate(ctx: Context, candidates: list[Candidate]) -> Iterator[dict[str, Any]]:
+    """build_all, then measure: one row per candidate."""
+    yield from measure(ctx, build_all(ctx, candidates))
+
+
+def invalid_row(ctx: Context, reason: str, text: str, label: str) -> dict[str, Any]:
+    """A proposal that never became a kernel (bad parameters, unparsable reply), recorded."""
+    row = {**ctx.base_row(), "kernel": label, "status": "invalid", "error": f"{reason}\n{text}"[:LOG_LIMIT]}
+    ctx.leaderboard.append([row])
+    return row

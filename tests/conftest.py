@@ -4,8 +4,13 @@ on machines without them and run for real where they exist."""
 from __future__ import annotations
 
 import functools
+import json
 import os
 import shutil
+import threading
+import time
+from dataclasses import dataclass, field
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import jinja2
@@ -70,3 +75,83 @@ def fixture_source(variant: str) -> str:
     env = jinja2.Environment(loader=jinja2.FileSystemLoader(FIXTURES), undefined=jinja2.StrictUndefined,
                              trim_blocks=True, lstrip_blocks=True)
     return env.get_template("simt.cu.j2").render(variant=variant)
+
+
+# ------------------------------------------------ an OpenAI-compatible endpoint on loopback
+
+@dataclass
+class Step:
+    content: str = ""
+    status: int = 200
+    delay: float = 0.0
+    headers: dict = field(default_factory=dict)
+    usage: dict = field(default_factory=lambda: {"prompt_tokens": 1200, "completion_tokens": 300, "total_tokens": 1500})
+
+
+class Endpoint:
+    """Serves the scripted steps in order (500 when the script runs out); keeps every request."""
+
+    def __init__(self):
+        self.script: list[Step] = []
+        self.requests: list[dict] = []
+        self.url = ""
+
+    def reply(self, content: str = "", **step) -> Endpoint:
+        self.script.append(Step(content, **step))
+        return self
+
+    def prompt(self, i: int = -1) -> str:
+        return "\n".join(m["content"] for m in self.requests[i]["body"]["messages"])
+
+
+class _Server(ThreadingHTTPServer):
+    def handle_error(self, request, client_address):
+        pass  # a client that gave up (the timeout test) is expected
+
+
+@pytest.fixture
+def endpoint():
+    state = Endpoint()
+
+    class Handler(BaseHTTPRequestHandler):
+        def do_POST(self):
+            body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+            state.requests.append({"path": self.path, "headers": {k.lower(): v for k, v in self.headers.items()}, "body": body})
+            step = state.script.pop(0) if state.script else Step(status=500)
+            time.sleep(step.delay)
+            if self.path != "/v1/chat/completions":
+                step = Step(status=404)
+            if step.status == 200:
+                payload = {
+                    "id": f"chatcmpl-{len(state.requests)}", "object": "chat.completion", "created": int(time.time()),
+                    "model": body["model"],
+                    "choices": [{"index": 0, "message": {"role": "assistant", "content": step.content},
+                                 "finish_reason": "stop"}],
+                    "usage": step.usage,
+                }
+            else:
+                payload = {"error": {"message": f"scripted failure {step.status}", "type": "server_error"}}
+            data = json.dumps(payload).encode()
+            self.send_response(step.status)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(data)))
+            for name, value in step.headers.items():
+                self.send_header(name, value)
+            self.end_headers()
+            self.wfile.write(data)
+
+        def log_message(self, *args):
+            pass
+
+    server = _Server(("127.0.0.1", 0), Handler)
+    thread = threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True)
+    thread.start()
+    state.url = f"http://127.0.0.1:{server.server_address[1]}/v1"
+    yield state
+    server.shutdown()
+    server.server_close()
+
+
+
+def fenced(tag: str, body: str) -> str:
+    return f"```{tag}\n{body}\n```"

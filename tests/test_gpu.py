@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import random
+from pathlib import Path
 
 import pytest
 from typer.testing import CliRunner
@@ -192,3 +193,33 @@ def test_bench_cli_end_to_end(tmp_path, cache_dir):
     assert default in {r["kernel"] for r in json.loads(again.output)["rows"]}
     listed = runner.invoke(app, ["leaderboard", "--results", str(tmp_path), "--format", "json"])
     assert json.loads(listed.output)[0]["kernel"].startswith("sm80_mma(")
+
+
+def test_optimize_search_ends_with_a_verified_exported_kernel(tmp_path, cache_dir):
+    runner = CliRunner(env={"CUDAL2_CACHE_DIR": str(cache_dir)})
+    result = runner.invoke(app, ["optimize", "--m", "4096", "--n", "4096", "--k", "4096", "--iterations", "1",
+                                 "--batch", "2", "--budget", "0.3", "--results", str(tmp_path), "--json"])
+    assert result.exit_code == 0, result.output
+    summary = json.loads(result.output)
+    assert summary["best"]["status"] == "ok" and summary["best"]["speedup_offline"] > 0, summary
+    exported = Path(summary["exported"])
+    assert exported.is_file() and "cudal2_gemm" in exported.read_text()
+    print(f"optimize 4096^3 (2 candidates): best {summary['best']['kernel']} "
+          f"{summary['best']['speedup_offline']:.3f}x; wall {summary['wall_s']} s, GPU {summary['gpu_s']} s")
+
+
+def test_optimize_llm_free_form_kernels_are_verified_on_the_gpu(tmp_path, cache_dir, endpoint, monkeypatch):
+    from conftest import fenced
+
+    monkeypatch.setenv("OPENAI_API_KEY", "sk-test-not-written")
+    honest = (ROOT / "examples" / "simt_gemm_fp16_nn.cu").read_text()
+    endpoint.reply(fenced("cuda", honest) + "\n" + fenced("cuda", fixture_source("past_end")))
+    runner = CliRunner(env={"CUDAL2_CACHE_DIR": str(cache_dir)})
+    result = runner.invoke(app, ["optimize", "--m", "512", "--n", "512", "--k", "512", "--proposer", "llm",
+                                 "--base-url", endpoint.url, "--iterations", "1", "--batch", "2", "--budget", "0.2",
+                                 "--results", str(tmp_path), "--json"])
+    assert result.exit_code == 0, result.output
+    rows = Leaderboard(tmp_path).read()
+    kernels = rows[rows["proposer"] == "llm"].set_index("kernel")
+    assert sorted(kernels["status"]) == ["cheat", "ok"], kernels[["status", "error"]]
+    assert "guard band" in kernels[kernels["status"] == "cheat"]["error"].iloc[0]

@@ -1,0 +1,215 @@
+"""The optimize loop: propose -> render -> compile -> verify -> bench -> record, until a
+budget runs out, with the next batch compiling while this one is on the GPU."""
+
+from __future__ import annotations
+
+import hashlib
+import re
+import time
+from collections import Counter
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+
+from .candidate import Candidate
+from .errors import Cudal2Error
+from .leaderboard import BASELINES, select, source_hash
+from .pipeline import Built, Context, build_all, invalid_row, measure, measure_baselines
+from .propose import Proposer
+from .render import render
+
+
+@dataclass(frozen=True)
+class Budget:
+    iterations: int = 10  # batches proposed
+    batch: int = 8  # candidates per batch
+    time_s: float | None = None  # wall-clock seconds for the whole run
+    patience: int | None = 3  # batches without a better kernel before stopping
+
+
+@dataclass
+class Outcome:
+    """What a run did: its rows, the best kernel for the problem, and where time went."""
+
+    rows: list[dict[str, Any]] = field(default_factory=list)
+    baseline_us: float | None = None
+    best: dict[str, Any] | None = None
+    exported: Path | None = None
+    stopped: str = ""
+    wall_s: float = 0.0
+    gpu_s: float = 0.0  # time the GPU worker was busy (verify + bench)
+    compile_s: float = 0.0  # nvcc seconds of the compiles this run ran (not cached)
+    duplicates: int = 0  # candidates skipped as already measured or identical binaries
+
+    @property
+    def statuses(self) -> dict[str, int]:
+        return dict(Counter(row["status"] for row in self.rows if row["kernel"] not in BASELINES))
+
+
+Event = Callable[[str, dict[str, Any]], None]
+
+
+def problem_history(ctx: Context) -> list[dict[str, Any]]:
+    """Every recorded row of this problem on this GPU, oldest first."""
+    p, gpu = ctx.problem, (ctx.worker.environment or {}).get("gpu")
+    df = select(ctx.leaderboard.read(), m=p.m, n=p.n, k=p.k, dtype=p.dtype, layout=p.layout, gpu=gpu)
+    return df.sort_values("time").to_dict("records") if len(df) else []
+
+
+def optimize(ctx: Context, proposer: Proposer, budget: Budget, *, remeasure: bool = False,
+             on_event: Event | None = None) -> Outcome:
+    """Runs the loop for ctx.problem. Every row is appended to the leaderboard as it is
+    measured, so an interrupted run loses nothing; a re-run measures nothing twice
+    (same source, or same binary) unless `remeasure`."""
+    emit = on_event or (lambda kind, info: None)
+    start = time.monotonic()
+    out = Outcome()
+    history = problem_history(ctx)  # everything known: warm start, best kernel
+    # What the proposer sees: all history, or only this run's rows when re-measuring.
+    visible = [] if remeasure else history
+    seen_sources = set() if remeasure else {r["source_hash"] for r in history if r.get("source_hash")}
+    seen_binaries: set[str] = set()
+    # Candidates proposed but not yet measured, shown to the proposer as "pending" rows so
+    # the batch compiled ahead does not repeat the batch on the GPU.
+    in_flight: list[dict[str, Any]] = []
+
+    t0 = time.monotonic()
+    baseline_rows = measure_baselines(ctx)
+    out.gpu_s += time.monotonic() - t0
+    out.rows += baseline_rows
+    history += baseline_rows
+    if remeasure:
+        visible += baseline_rows
+    out.baseline_us = next((r.get(f"{ctx.mode if ctx.mode != 'both' else 'offline'}_us")
+                            for r in baseline_rows if r["kernel"] == "cuBLAS"), None)
+    emit("baseline", {"us": out.baseline_us})
+
+    def over_time() -> bool:
+        return budget.time_s is not None and time.monotonic() - start >= budget.time_s
+
+    def prepare(snapshot: list[dict[str, Any]]) -> tuple[list[Built], list[dict[str, Any]]]:
+        """Propose and compile one batch (runs beside the GPU work of the previous one)."""
+        proposals = proposer.propose(ctx.problem, snapshot, budget.batch)
+        fresh, invalid = [], []
+        for proposal in proposals:
+            if not isinstance(proposal, Candidate):
+                invalid.append(invalid_row(ctx, proposal.reason, proposal.text, f"{proposer.name} proposal"))
+                continue
+            try:
+                digest = source_hash(render(proposal, ctx.problem))
+            except Cudal2Error as exc:
+                invalid.append(invalid_row(ctx, str(exc), str(proposal), f"{proposer.name} proposal"))
+                continue
+            if digest in seen_sources:
+                out.duplicates += 1
+                continue
+            seen_sources.add(digest)
+            fresh.append(proposal)
+            in_flight.append({"kernel": str(proposal), "template": proposal.template, "status": "pending",
+                              "params": proposal.params_json if proposal.template else None})
+        built = build_all(ctx, fresh)
+        out.compile_s += sum(b.build.seconds for b in built if not b.build.cached)
+        return built, invalid
+
+    best_speedup = max((r.get("speedup_offline") or 0 for r in history
+                        if r.get("status") == "ok" and r["kernel"] not in BASELINES), default=0.0)
+    stale = 0
+    with ThreadPoolExecutor(max_workers=1) as pool:
+        pending = pool.submit(prepare, list(visible))
+        for iteration in range(budget.iterations):
+            try:
+                built, invalid = pending.result()
+            except Cudal2Error as exc:  # e.g. the LLM endpoint failed for good: keep what we have
+                out.stopped = f"the proposer failed: {exc}"
+                break
+            out.rows += invalid
+            _extend(history, visible, invalid)
+            last = iteration + 1 >= budget.iterations or over_time()
+            if not last:  # the next batch compiles while this one is on the GPU
+                pending = pool.submit(prepare, list(visible) + list(in_flight))
+            emit("batch", {"iteration": iteration + 1, "candidates": len(built), "invalid": len(invalid)})
+            if not built and not invalid:
+                out.stopped = "the proposer has nothing new"
+                break
+            improved = False
+            for item in built:
+                if over_time():
+                    break
+                binary = _binary_hash(item)
+                if binary is not None and binary in seen_binaries:
+                    out.duplicates += 1
+                    continue
+                if binary is not None:
+                    seen_binaries.add(binary)
+                t0 = time.monotonic()
+                row = next(measure(ctx, [item]))
+                out.gpu_s += time.monotonic() - t0 if item.build.status == "ok" else 0.0
+                out.rows.append(row)
+                _extend(history, visible, [row])
+                speedup = row.get("speedup_offline") or 0.0
+                if row["status"] == "ok" and speedup > best_speedup:
+                    best_speedup, improved = speedup, True
+                emit("measured", {"row": row, "best_speedup": best_speedup})
+            del in_flight[: len(built)]
+            stale = 0 if improved else stale + 1
+            if last:
+                out.stopped = "time budget spent" if over_time() else "iterations done"
+                break
+            if budget.patience is not None and stale >= budget.patience:
+                out.stopped = f"no better kernel in {stale} batches (patience)"
+                pending.cancel()
+                break
+    out.wall_s = time.monotonic() - start
+    out.best = best_row(history)
+    if out.best is not None:
+        out.exported = export_best(ctx, out.best)
+    return out
+
+
+def _extend(history: list, visible: list, rows: list) -> None:
+    history.extend(rows)
+    if visible is not history:
+        visible.extend(rows)
+
+
+def _binary_hash(item: Built) -> str | None:
+    if item.build.library is None:
+        return None
+    return hashlib.sha256(item.build.library.read_bytes()).hexdigest()
+
+
+def best_row(history: list[dict[str, Any]]) -> dict[str, Any] | None:
+    ok = [r for r in history if r.get("status") == "ok" and r["kernel"] not in BASELINES
+          and r.get("speedup_offline")]
+    return max(ok, key=lambda r: r["speedup_offline"], default=None)
+
+
+def _slug(text: str) -> str:
+    return re.sub(r"[^A-Za-z0-9._-]+", "_", text).strip("_") or "gpu"
+
+
+def export_best(ctx: Context, row: dict[str, Any]) -> Path:
+    """The best kernel as a self-contained .cu file under results/best/, with a header
+    saying what it is and how it measured."""
+    p = ctx.problem
+    path = ctx.settings.results / "best" / _slug(row.get("gpu") or "gpu") / f"{p.dtype}_{p.layout}" / f"{p.m}_{p.n}_{p.k}.cu"
+    origin = (f"template {row['template']} {row['params']}" if row.get("template")
+              else f"proposer {row.get('proposer')} model {row.get('model')}")
+    header = "\n".join([
+        f"// cudal2 best kernel for C[{p.m},{p.n}] = A[{p.m},{p.k}] @ {'B' if p.layout == 'nn' else 'W^T'} "
+        f"({p.dtype}, layout {p.layout}, fp32 accumulation)",
+        f"// speedup {row['speedup_offline']:.3f}x over cuBLAS ({row['cublas_offline_us']:.2f} us -> "
+        f"{row['offline_us']:.2f} us, offline device time) on {row.get('gpu')} ({row.get('arch')})",
+        f"// measured {row['time'] if 'time' in row else datetime.now(timezone.utc)}; {origin}",
+        f"// build: nvcc -O3 -std=c++17 -shared -Xcompiler -fPIC -gencode=arch=compute_{row.get('arch', 'sm_90a').removeprefix('sm_')},"
+        f"code={row.get('arch')} -I<cutlass>/include -I<cutlass>/tools/util/include kernel.cu -o kernel.so",
+        "",
+    ])
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(header + ctx.leaderboard.source(row["source_hash"]))
+    tmp.replace(path)
+    return path

@@ -1,0 +1,187 @@
+"""The optimize loop's bookkeeping with the real compiler and leaderboard. The GPU worker
+is stood in for by a CPU object with the same interface (tests/test_gpu.py runs the real
+one on a GPU)."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from cudal2_cli.candidate import Candidate, Invalid
+from cudal2_cli.cli import app
+from cudal2_cli.config import Settings
+from cudal2_cli.leaderboard import Leaderboard
+from cudal2_cli.optimize import Budget, optimize
+from cudal2_cli.pipeline import Context
+from cudal2_cli.problem import Problem
+from cudal2_cli.propose import HybridProposer, SearchProposer
+from cudal2_cli.render import get_template
+
+pytestmark = pytest.mark.nvcc
+
+H200 = {"gpu": "NVIDIA H200", "cc": 90, "sm_count": 132, "max_sm_clock_mhz": 1980, "sm_clock_mhz": 1980,
+        "memory_clock_khz": 3201000, "memory_bus_bits": 6016, "l2_bytes": 62914560, "smem_optin_bytes": 232448}
+
+
+def timing(us: float) -> dict:
+    return {"median_us": us, "p20_us": us * 0.99, "p80_us": us * 1.01, "samples": 10}
+
+
+class StandInWorker:
+    """Answers the worker's requests on the CPU: cuBLAS takes 100 us, a kernel's time
+    follows from its library's bytes (stable per binary), or from `times` in call order."""
+
+    environment = H200
+
+    def __init__(self, times: list[float] | None = None):
+        self.times = list(times or [])
+        self.kernels: list[str] = []
+
+    def start(self):
+        return self.environment
+
+    def request(self, job, timeout):
+        if job["op"] == "baselines":
+            return {"status": "ok", "errors": {"cuBLAS": (1e-4, 1e-3)}, "timings": {"offline": {"cuBLAS": timing(100.0)}}}
+        self.kernels.append(job["library"])
+        digest = hashlib.sha256(Path(job["library"]).read_bytes()).hexdigest()
+        us = self.times.pop(0) if self.times else 50.0 + int(digest[:4], 16) % 100
+        return {"status": "ok", "max_error": 1e-4, "tolerance": 1e-3,
+                "timings": {"offline": {"kernel": timing(us), "cuBLAS": timing(100.0)}}}
+
+    def close(self):
+        pass
+
+
+def context(tmp_path, compiler, worker, problem=Problem(256, 256, 256)) -> Context:
+    settings = Settings(results=tmp_path / "results")
+    return Context(problem, settings, worker, compiler, Leaderboard(settings.results), "run-1", proposer="search")
+
+
+def sm80_search(seed=0):
+    return SearchProposer(H200, seed=seed, templates={"sm80_mma": get_template("sm80_mma")})
+
+
+def test_loop_measures_batches_records_rows_and_exports_the_best(tmp_path, compiler):
+    ctx = context(tmp_path, compiler, StandInWorker())
+    out = optimize(ctx, sm80_search(), Budget(iterations=2, batch=2, patience=None))
+    kernels = [r for r in out.rows if r["kernel"] != "cuBLAS"]
+    assert len(kernels) == 4 and all(r["status"] == "ok" for r in kernels)
+    assert out.baseline_us == 100.0 and out.stopped == "iterations done"
+    assert out.best["speedup_offline"] == max(r["speedup_offline"] for r in kernels)
+    exported = out.exported.read_text()
+    assert out.exported == tmp_path / "results/best/NVIDIA_H200/fp16_nn/256_256_256.cu"
+    assert f"speedup {out.best['speedup_offline']:.3f}x" in exported and "template sm80_mma" in exported
+    assert 'extern "C" int cudal2_gemm(' in exported
+    assert len(ctx.leaderboard.read()) == 5  # every row recorded as measured
+    assert out.compile_s > 0 and out.wall_s >= out.gpu_s
+
+
+def test_rerun_resumes_and_measures_nothing_twice(tmp_path, compiler):
+    first = optimize(context(tmp_path, compiler, StandInWorker()), sm80_search(), Budget(iterations=1, batch=3))
+    again = optimize(context(tmp_path, compiler, StandInWorker()), sm80_search(), Budget(iterations=1, batch=3))
+    hashes = lambda out: {r["source_hash"] for r in out.rows if r.get("source_hash")}
+    assert len(hashes(first)) == 3 and len(hashes(again)) == 3 and not hashes(first) & hashes(again)
+    redo = optimize(context(tmp_path, compiler, StandInWorker()), sm80_search(), Budget(iterations=1, batch=3),
+                    remeasure=True)
+    assert hashes(redo) == hashes(first)  # the same seed proposes the same first batch
+
+
+def test_search_is_deterministic_for_a_seed_and_varies_across_seeds():
+    p = Problem(512, 512, 512)
+    assert sm80_search(7).propose(p, [], 5) == sm80_search(7).propose(p, [], 5)
+    assert sm80_search(7).propose(p, [], 5) != sm80_search(8).propose(p, [], 5)
+
+
+def test_search_moves_to_neighbours_of_the_fastest_measured(tmp_path):
+    search = sm80_search()
+    p = Problem(512, 512, 512)
+    best = Candidate.from_template("sm80_mma", get_template("sm80_mma").space.defaults())
+    history = [{"status": "ok", "template": "sm80_mma", "params": best.params_json, "offline_us": 10.0, "kernel": "x"}]
+    proposals = search.propose(p, history, 4)
+    moved = [sum(a != b for a, b in zip(best.params, c.params)) for c in proposals[:2]]
+    assert moved == [1, 1] and best not in proposals
+
+
+def test_patience_stops_a_run_that_no_longer_improves(tmp_path, compiler):
+    worker = StandInWorker(times=[50.0, 60.0, 70.0, 80.0, 90.0, 95.0])
+    out = optimize(context(tmp_path, compiler, worker), sm80_search(), Budget(iterations=5, batch=2, patience=1))
+    assert "patience" in out.stopped and len(worker.kernels) == 4
+    assert out.best["offline_us"] == 50.0
+
+
+def test_time_budget_is_honoured(tmp_path, compiler):
+    out = optimize(context(tmp_path, compiler, StandInWorker()), sm80_search(), Budget(iterations=5, batch=2, time_s=0.0))
+    assert out.stopped == "time budget spent" and not [r for r in out.rows if r["kernel"] != "cuBLAS"]
+
+
+class Scripted:
+    """A proposer returning fixed proposals (stands in for a model's replies)."""
+
+    name = "scripted"
+
+    def __init__(self, *batches):
+        self.batches = list(batches)
+
+    def propose(self, problem, history, n):
+        return self.batches.pop(0) if self.batches else []
+
+
+def test_invalid_and_unbuildable_proposals_become_rows(tmp_path, compiler):
+    example = (Path(__file__).parent.parent / "examples" / "simt_gemm_fp16_nn.cu").read_text()
+    batch = [Invalid("no candidate blocks in the reply", "I think tiles should be bigger"),
+             Candidate.from_source("int broken(", label="broken.cu"),
+             Candidate.from_source(example, label="simt.cu"),
+             Candidate.from_source(example, label="simt-again.cu")]  # same source: measured once
+    out = optimize(context(tmp_path, compiler, StandInWorker()), Scripted(batch), Budget(iterations=3, batch=4))
+    by_kernel = {r["kernel"]: r for r in out.rows}
+    assert by_kernel["scripted proposal"]["status"] == "invalid"
+    assert "no candidate blocks" in by_kernel["scripted proposal"]["error"]
+    assert by_kernel["broken.cu"]["status"] == "compile_error"
+    assert by_kernel["simt.cu"]["status"] == "ok" and "simt-again.cu" not in by_kernel
+    assert out.duplicates == 1 and out.stopped == "the proposer has nothing new"
+    assert out.exported.read_text().count("cudal2_gemm(") == 1
+
+
+def test_hybrid_splits_the_batch_and_search_fills_the_rest():
+    example = (Path(__file__).parent.parent / "examples" / "simt_gemm_fp16_nn.cu").read_text()
+    hybrid = HybridProposer(Scripted([Candidate.from_source(example, "llm-1"), Invalid("bad", "x")]), sm80_search())
+    proposals = hybrid.propose(Problem(512, 512, 512), [], 4)
+    assert [type(p).__name__ for p in proposals] == ["Candidate", "Invalid", "Candidate", "Candidate", "Candidate"]
+    assert all(p.template == "sm80_mma" for p in proposals[2:])
+
+
+@pytest.mark.parametrize("args, text", [
+    (("--proposer", "magic"), "unknown proposer 'magic'"),
+    (("--mode", "both"), "unknown mode 'both'"),
+    (("--iterations", "0"), "--iterations must be >= 1"),
+])
+def test_optimize_rejects_bad_options_in_one_line(args, text, tmp_path):
+    result = CliRunner().invoke(app, ["optimize", "--m", "64", "--n", "64", "--k", "64", "--results", str(tmp_path), *args])
+    assert result.exit_code == 1 and result.output.strip() == f"error: {result.output.strip()[7:]}"
+    assert text in result.output
+
+
+def test_llm_proposals_from_a_loopback_endpoint_run_through_the_loop(tmp_path, compiler, endpoint, monkeypatch):
+    from conftest import fenced
+
+    from cudal2_cli.llm import LLMProposer, LLMSettings
+
+    monkeypatch.setenv("OPENAI_API_KEY", "sk-test-not-written")
+    example = (Path(__file__).parent.parent / "examples" / "simt_gemm_fp16_nn.cu").read_text()
+    endpoint.reply("The simple kernel is a start.\n" + fenced("cuda", example) + "\n" + fenced("json", '{"template": "nope"}'))
+    ctx = context(tmp_path, compiler, StandInWorker())
+    llm = LLMProposer(LLMSettings(base_url=endpoint.url, max_retries=0), run_dir=tmp_path / "run", cc=90, device=H200)
+    out = optimize(ctx, llm, Budget(iterations=2, batch=2))
+    statuses = sorted(r["status"] for r in out.rows if r["kernel"] != "cuBLAS")
+    assert statuses == ["invalid", "ok"]
+    assert "unknown template 'nope'" in next(r["error"] for r in out.rows if r["status"] == "invalid")
+    assert "100.0" in endpoint.prompt(0)  # the cuBLAS baseline reached the model
+    # The second round found the endpoint failing (its script ran out: HTTP 500): the run
+    # stops with that reason and keeps, and exports, what it measured.
+    assert len(endpoint.requests) == 2 and "HTTP 500" in out.stopped
+    assert out.exported is not None and out.exported.is_file()
