@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
 import math
@@ -280,8 +281,9 @@ def optimize(
             chosen = llm if proposer == "llm" else HybridProposer(llm, search)
         ctx = Context(problem, settings, worker, compiler, leaderboard, run_id, mode=mode,
                       proposer=proposer, model=llm_settings.model if llm_settings else None)
-        outcome = run_optimize(ctx, chosen, Budget(iterations, batch, time_budget, patience),
-                               remeasure=remeasure, on_event=None if json_out else progress_printer())
+        with progress_display(json_out, iterations * batch) as on_event:
+            outcome = run_optimize(ctx, chosen, Budget(iterations, batch, time_budget, patience),
+                                   remeasure=remeasure, on_event=on_event)
     summary = {
         "problem": problem.__dict__, "gpu": env["gpu"], "baseline_us": outcome.baseline_us,
         "best": jsonable([outcome.best])[0] if outcome.best else None,
@@ -306,19 +308,44 @@ def optimize(
           f"compile {outcome.compile_s:.1f} s")
 
 
-def progress_printer():
-    """Plain progress lines (one per event), for terminals and logs alike."""
-    def emit(kind: str, info: dict[str, Any]) -> None:
-        if kind == "baseline":
-            print(f"cuBLAS baseline: {fmt(info['us'])} us", flush=True)
-        elif kind == "batch":
-            print(f"batch {info['iteration']}: {info['candidates']} to measure, {info['invalid']} invalid", flush=True)
-        elif kind == "measured":
-            row = info["row"]
-            detail = f"{fmt(row.get('speedup_offline'), 3)}x" if row["status"] == "ok" else (row.get("error") or "").splitlines()[0][:100] if row.get("error") else ""
-            print(f"  {row['status']:<13} {detail:<12} {row['kernel']}  (best {info['best_speedup']:.3f}x)", flush=True)
+@contextlib.contextmanager
+def progress_display(quiet: bool, total: int):
+    """Live Rich progress on a terminal, one plain line per event otherwise, nothing
+    with --json. Yields the loop's event callback."""
+    if quiet:
+        yield None
+        return
+    if not console.is_terminal:
+        yield plain_progress
+        return
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 
-    return emit
+    with Progress(SpinnerColumn(), TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
+                  TimeElapsedColumn(), console=console) as bar:
+        task = bar.add_task("measuring baselines", total=total)
+
+        def on_event(kind: str, info: dict[str, Any]) -> None:
+            if kind == "batch":
+                bar.update(task, description=f"batch {info['iteration']}: compiling next, measuring {info['candidates']}")
+            elif kind == "measured":
+                row = info["row"]
+                bar.advance(task)
+                bar.console.print(f"{row['status']:<13} {fmt(row.get('speedup_offline'), 3):>6}  {row['kernel']}")
+                bar.update(task, description=f"best {info['best_speedup']:.3f}x cuBLAS")
+
+        yield on_event
+
+
+def plain_progress(kind: str, info: dict[str, Any]) -> None:
+    """One line per event, for logs and pipes."""
+    if kind == "baseline":
+        print(f"cuBLAS baseline: {fmt(info['us'])} us", flush=True)
+    elif kind == "batch":
+        print(f"batch {info['iteration']}: {info['candidates']} to measure, {info['invalid']} invalid", flush=True)
+    elif kind == "measured":
+        row = info["row"]
+        detail = fmt(row.get("speedup_offline"), 3) if row["status"] == "ok" else ((row.get("error") or "").strip().splitlines() or [""])[0][:100]
+        print(f"  {row['status']:<13} {detail:<12} {row['kernel']}  (best {info['best_speedup']:.3f}x)", flush=True)
 
 
 # ------------------------------------------------------------------------ leaderboard

@@ -185,3 +185,24 @@ def test_llm_proposals_from_a_loopback_endpoint_run_through_the_loop(tmp_path, c
     # stops with that reason and keeps, and exports, what it measured.
     assert len(endpoint.requests) == 2 and "HTTP 500" in out.stopped
     assert out.exported is not None and out.exported.is_file()
+
+
+def test_progress_is_plain_lines_in_logs_and_live_on_a_terminal(tmp_path, compiler, capsys, monkeypatch):
+    import io
+
+    from rich.console import Console
+
+    from cudal2_cli import cli
+
+    with cli.progress_display(False, 2) as on_event:  # captured output is not a terminal
+        optimize(context(tmp_path, compiler, StandInWorker()), sm80_search(), Budget(iterations=1, batch=2), on_event=on_event)
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0] == "cuBLAS baseline: 100.00 us" and lines[1].startswith("batch 1: 2 to measure")
+    assert sum(line.strip().startswith("ok") for line in lines) == 2
+
+    screen = io.StringIO()
+    monkeypatch.setattr(cli, "console", Console(file=screen, force_terminal=True, width=200))
+    with cli.progress_display(False, 2) as on_event:
+        optimize(context(tmp_path / "again", compiler, StandInWorker()), sm80_search(), Budget(iterations=1, batch=2),
+                 on_event=on_event)
+    assert "best " in screen.getvalue() and "2/2" in screen.getvalue()
