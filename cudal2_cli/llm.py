@@ -163,8 +163,10 @@ class LLMProposer:
         for row in measured:  # fastest first; a kernel measured again keeps its best row
             ranked.setdefault(_kernel(row), _measured(row))
         ranked_rows = list(ranked.values())
+        # "pending": proposed and compiling, not measured yet (the optimize loop's batch ahead)
         failures = [
-            row for row in history if row.get("status") not in ("ok", None) and row.get("kernel") not in BASELINES
+            row for row in history
+            if row.get("status") not in ("ok", "pending", None) and row.get("kernel") not in BASELINES
         ][-6:]
         return {
             "problem": problem, "layout_help": LAYOUT_HELP[problem.layout], "cc": self.cc, "n": n,

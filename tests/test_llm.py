@@ -265,3 +265,10 @@ def test_bad_llm_environment_is_named(monkeypatch):
     monkeypatch.setenv("CUDAL2_LLM_MAX_TOKENS", "lots")
     with pytest.raises(Cudal2Error, match=r"bad value 'lots' for setting max_tokens \(from CUDAL2_LLM_MAX_TOKENS\)"):
         load_llm_settings()
+
+
+def test_pending_candidates_are_not_shown_as_failures(endpoint, tmp_path):
+    endpoint.reply("nothing useful")
+    pending = {"kernel": "sm80_mma(pending-one)", "template": "sm80_mma", "params": "{}", "status": "pending"}
+    make_proposer(endpoint, tmp_path).propose(PROBLEM, HISTORY + [pending], 2)
+    assert "pending-one" not in endpoint.prompt()
