@@ -120,6 +120,11 @@ def _serve(conn, device: int) -> None:
             conn.send({"status": "crash", "error": str(exc)})
             os._exit(3)
         except Exception:
+            if job["op"] == "kernel":
+                # After untrusted code ran, any failure (a cuBLAS or CuPy error from a broken
+                # context, say) is the kernel's: a crash, with the traceback as its reason.
+                conn.send({"status": "crash", "error": traceback.format_exc()[-2000:]})
+                os._exit(3)
             conn.send({"status": "error", "error": traceback.format_exc()})
         else:
             conn.send(result)
