@@ -298,7 +298,7 @@ def optimize(
     best = outcome.best
     print(f"baseline cuBLAS: {fmt(outcome.baseline_us)} us")
     if best:
-        print(f"best: {best['kernel']}: {fmt(best['offline_us'])} us, {fmt(best['speedup_offline'], 3)}x cuBLAS "
+        print(f"best: {best['kernel']}: {fmt(best[f'{mode}_us'])} us, {fmt(best[f'speedup_{mode}'], 3)}x cuBLAS ({mode}) "
               f"-> {outcome.exported}")
     else:
         print("best: no verified kernel")
@@ -330,7 +330,7 @@ def progress_display(quiet: bool, total: int):
             elif kind == "measured":
                 row = info["row"]
                 bar.advance(task)
-                bar.console.print(f"{row['status']:<13} {fmt(row.get('speedup_offline'), 3):>6}  {row['kernel']}")
+                bar.console.print(f"{row['status']:<13} {fmt(info['speedup'], 3):>6}  {row['kernel']}")
                 bar.update(task, description=f"best {info['best_speedup']:.3f}x cuBLAS")
 
         yield on_event
@@ -344,7 +344,7 @@ def plain_progress(kind: str, info: dict[str, Any]) -> None:
         print(f"batch {info['iteration']}: {info['candidates']} to measure, {info['invalid']} invalid", flush=True)
     elif kind == "measured":
         row = info["row"]
-        detail = fmt(row.get("speedup_offline"), 3) if row["status"] == "ok" else ((row.get("error") or "").strip().splitlines() or [""])[0][:100]
+        detail = fmt(info["speedup"], 3) if row["status"] == "ok" else ((row.get("error") or "").strip().splitlines() or [""])[0][:100]
         print(f"  {row['status']:<13} {detail:<12} {row['kernel']}  (best {info['best_speedup']:.3f}x)", flush=True)
 
 

@@ -114,8 +114,9 @@ def optimize(ctx: Context, proposer: Proposer, budget: Budget, *, remeasure: boo
         out.compile_s += sum(b.build.seconds for b in built if not b.build.cached)
         return built, invalid
 
-    best_speedup = max((r.get("speedup_offline") or 0 for r in history
-                        if r.get("status") == "ok" and r["kernel"] not in BASELINES), default=0.0)
+    metric = f"speedup_{ctx.mode}"  # the mode that decides "best": offline or server
+    best = best_row(history, ctx.mode)
+    best_speedup = best[metric] if best else 0.0
     stale = 0
     with ThreadPoolExecutor(max_workers=1) as pool:
         pending = pool.submit(prepare, list(visible))
@@ -149,10 +150,10 @@ def optimize(ctx: Context, proposer: Proposer, budget: Budget, *, remeasure: boo
                 out.gpu_s += time.monotonic() - t0 if item.build.status == "ok" else 0.0
                 out.rows.append(row)
                 _extend(history, visible, [row])
-                speedup = row.get("speedup_offline") or 0.0
-                if row["status"] == "ok" and speedup > best_speedup:
+                speedup = row.get(metric)
+                if row["status"] == "ok" and speedup and speedup > best_speedup:
                     best_speedup, improved = speedup, True
-                emit("measured", {"row": row, "best_speedup": best_speedup})
+                emit("measured", {"row": row, "speedup": speedup, "best_speedup": best_speedup})
             del in_flight[: len(built)]
             stale = 0 if improved else stale + 1
             if last:
@@ -163,7 +164,7 @@ def optimize(ctx: Context, proposer: Proposer, budget: Budget, *, remeasure: boo
                 pending.cancel()
                 break
     out.wall_s = time.monotonic() - start
-    out.best = best_row(history)
+    out.best = best_row(history, ctx.mode)
     if out.best is not None:
         out.exported = export_best(ctx, out.best)
     return out
@@ -181,10 +182,12 @@ def _binary_hash(item: Built) -> str | None:
     return hashlib.sha256(item.build.library.read_bytes()).hexdigest()
 
 
-def best_row(history: list[dict[str, Any]]) -> dict[str, Any] | None:
+def best_row(history: list[dict[str, Any]], mode: str = "offline") -> dict[str, Any] | None:
+    """The verified kernel with the highest speedup in `mode` (NaN and missing excluded)."""
+    key = f"speedup_{mode}"
     ok = [r for r in history if r.get("status") == "ok" and r["kernel"] not in BASELINES
-          and r.get("speedup_offline")]
-    return max(ok, key=lambda r: r["speedup_offline"], default=None)
+          and r.get(key) and r[key] == r[key]]
+    return max(ok, key=lambda r: r[key], default=None)
 
 
 def _slug(text: str) -> str:
@@ -201,8 +204,8 @@ def export_best(ctx: Context, row: dict[str, Any]) -> Path:
     header = "\n".join([
         f"// cudal2 best kernel for C[{p.m},{p.n}] = A[{p.m},{p.k}] @ {'B' if p.layout == 'nn' else 'W^T'} "
         f"({p.dtype}, layout {p.layout}, fp32 accumulation)",
-        f"// speedup {row['speedup_offline']:.3f}x over cuBLAS ({row['cublas_offline_us']:.2f} us -> "
-        f"{row['offline_us']:.2f} us, offline device time) on {row.get('gpu')} ({row.get('arch')})",
+        f"// speedup {row[f'speedup_{ctx.mode}']:.3f}x over cuBLAS ({row[f'cublas_{ctx.mode}_us']:.2f} us -> "
+        f"{row[f'{ctx.mode}_us']:.2f} us, {ctx.mode} device time) on {row.get('gpu')} ({row.get('arch')})",
         f"// measured {row['time'] if 'time' in row else datetime.now(timezone.utc)}; {origin}",
         f"// build: nvcc -O3 -std=c++17 -shared -Xcompiler -fPIC -gencode=arch=compute_{row.get('arch', 'sm_90a').removeprefix('sm_')},"
         f"code={row.get('arch')} -I<cutlass>/include -I<cutlass>/tools/util/include kernel.cu -o kernel.so",

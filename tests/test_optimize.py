@@ -206,3 +206,15 @@ def test_progress_is_plain_lines_in_logs_and_live_on_a_terminal(tmp_path, compil
         optimize(context(tmp_path / "again", compiler, StandInWorker()), sm80_search(), Budget(iterations=1, batch=2),
                  on_event=on_event)
     assert "best " in screen.getvalue() and "2/2" in screen.getvalue()
+
+
+def test_best_is_judged_in_the_run_mode_and_ignores_missing_speedups():
+    from cudal2_cli.optimize import best_row
+
+    rows = [{"kernel": "a", "status": "ok", "speedup_offline": 1.2, "speedup_server": float("nan")},
+            {"kernel": "b", "status": "ok", "speedup_offline": 0.9, "speedup_server": 1.4},
+            {"kernel": "c", "status": "cheat", "speedup_offline": 9.0, "speedup_server": 9.0},
+            {"kernel": "cuBLAS", "status": "ok", "speedup_offline": 1.0, "speedup_server": 1.0}]
+    assert best_row(rows, "offline")["kernel"] == "a"
+    assert best_row(rows, "server")["kernel"] == "b"
+    assert best_row(rows[2:], "offline") is None
