@@ -87,3 +87,29 @@ def test_cutlass_sm90_template_compiles_with_allowed_imports(compiler):
     assert "cudal2_gemm" in build.exports and "cudal2_workspace_bytes" in build.exports
     assert build.spill_bytes == 0
     assert forbidden_imports(build.imports) == []
+
+
+def sample_of_space(template: str, count: int, seed: int) -> list:
+    import random
+
+    from cudal2_cli.candidate import Candidate
+    from cudal2_cli.render import get_template
+
+    configs = list(get_template(template).space.configurations(90))
+    return [Candidate.from_template(template, c) for c in random.Random(seed).sample(configs, count)]
+
+
+def test_a_random_sample_of_the_sm80_space_compiles(compiler):
+    problems = [Problem(1, 1, 1, d, l) for d, l in (("fp16", "nn"), ("bf16", "nt"), ("fp16", "nt"), ("bf16", "nn"))]
+    sources = [render(c, p) for c, p in zip(sample_of_space("sm80_mma", 4, seed=11), problems)]
+    builds = compiler.compile_all(sources)
+    assert [b.status for b in builds] == ["ok"] * 4, [b.log[-1500:] for b in builds if b.status != "ok"]
+
+
+@pytest.mark.slow
+def test_a_random_sample_of_the_sm90_space_compiles(compiler):
+    """About two minutes of one core per configuration: `pytest -m slow` runs it."""
+    problems = [Problem(1, 1, 1, d, l) for d, l in (("fp16", "nn"), ("bf16", "nt"), ("fp16", "nt"))]
+    sources = [render(c, p) for c, p in zip(sample_of_space("sm90_cutlass", 3, seed=5), problems)]
+    builds = compiler.compile_all(sources)
+    assert [b.status for b in builds] == ["ok"] * 3, [b.log[-1500:] for b in builds if b.status != "ok"]
