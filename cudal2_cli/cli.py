@@ -24,7 +24,7 @@ from .environment import default_arch
 from .errors import Cudal2Error
 from .leaderboard import BASELINES, STATUSES, Leaderboard, best, select
 from .pipeline import Context, evaluate, measure_baselines, new_run_id
-from .problem import DTYPES, LAYOUTS, Problem
+from .problem import DTYPES, Problem
 from .worker import Worker
 
 app = typer.Typer(add_completion=False, no_args_is_help=True,

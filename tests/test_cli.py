@@ -6,7 +6,7 @@ from typer.testing import CliRunner
 from cudal2_cli.cli import app
 from cudal2_cli.leaderboard import Leaderboard
 
-from conftest import ROOT, gpu_count
+from conftest import gpu_count
 from test_leaderboard import row
 
 runner = CliRunner()

@@ -16,7 +16,7 @@ from cudal2_cli.llm import LLMProposer, LLMSettings, load_llm_settings
 from cudal2_cli.problem import Problem
 from cudal2_cli.render import load_templates, template_candidate
 
-from conftest import Step, fenced
+from conftest import fenced
 
 KEY = "sk-cudal2-FAKE-4f9e1c2b7a63d0"
 PROBLEM = Problem(4096, 4096, 4096)

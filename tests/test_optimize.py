@@ -5,7 +5,6 @@ one on a GPU)."""
 from __future__ import annotations
 
 import hashlib
-import json
 from pathlib import Path
 
 import pytest
