@@ -118,10 +118,10 @@ def jsonable(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 # ------------------------------------------------------------------------------ bench
 
-def known_candidates(problem: Problem, leaderboard: Leaderboard, cc: int) -> list[Candidate]:
+def known_candidates(problem: Problem, leaderboard: Leaderboard, rows: pd.DataFrame, cc: int) -> list[Candidate]:
     """The leaderboard's verified kernels for this problem plus every applicable template's
     default configuration: what `bench` measures when no kernel is named."""
-    known = select(leaderboard.read(), m=problem.m, n=problem.n, k=problem.k, dtype=problem.dtype,
+    known = select(rows, m=problem.m, n=problem.n, k=problem.k, dtype=problem.dtype,
                    layout=problem.layout, status="ok")
     known = known[~known["kernel"].isin(BASELINES)].drop_duplicates("source_hash")
     found = []
@@ -176,7 +176,7 @@ def bench(
     named = [read_kernel_file(p) for p in kernel or []]
     find_nvcc()
     leaderboard = Leaderboard(settings.results)
-    leaderboard.read()  # an unreadable leaderboard fails now, not after the measurements
+    recorded = leaderboard.read()  # read now: an unreadable leaderboard fails before any measurement
     with Worker(settings.device) as worker:
         cc = render_stage.arch_cc(settings.arch) if settings.arch else worker.start()["cc"]
         compiler = Compiler(settings.arch or default_arch(cc), settings.cache_dir, settings.jobs, settings.timeout)
@@ -187,7 +187,7 @@ def bench(
             if build.status != "ok":
                 raise Cudal2Error(f"{candidate} does not compile ({build.status}): {first_error_line(build.log)}")
         env = worker.start()
-        candidates = named or known_candidates(problem, leaderboard, env["cc"])
+        candidates = named or known_candidates(problem, leaderboard, recorded, env["cc"])
         ctx = Context(problem, settings, worker, compiler, leaderboard, new_run_id(), mode=mode)
         if not json_out:
             console.print(f"{problem} on {env['gpu']} (sm_{env['cc']}), {mode} mode, {len(candidates)} kernel(s)")
