@@ -125,12 +125,16 @@ def known_candidates(problem: Problem, leaderboard: Leaderboard, rows: pd.DataFr
                    layout=problem.layout, status="ok")
     known = known[~known["kernel"].isin(BASELINES)].drop_duplicates("source_hash")
     found = []
+    templates = render_stage.load_templates()
     for row in known.itertuples():
-        if row.template:
-            found.append(Candidate.from_template(row.template, json.loads(row.params)))
+        # A template row re-renders with today's template (parameters added since take their
+        # defaults); one whose parameters left the space is measured from its stored source.
+        params = templates[row.template].space.complete(json.loads(row.params)) if row.template in templates else None
+        if params is not None:
+            found.append(Candidate.from_template(row.template, params))
         else:
             found.append(Candidate.from_source(leaderboard.source(row.source_hash), label=row.kernel))
-    for name, tmpl in render_stage.load_templates().items():
+    for name, tmpl in templates.items():
         if tmpl.supports(problem, cc):
             found.append(render_stage.template_candidate(name, {}, cc))
     return list(dict.fromkeys(found))
@@ -267,12 +271,17 @@ def optimize(
         llm_settings = load_llm_settings({"model": model, "base_url": base_url})
     find_nvcc()
     leaderboard = Leaderboard(settings.results)
-    leaderboard.read()
+    recorded = leaderboard.read()
     with Worker(settings.device) as worker:
         env = worker.start()
         compiler = Compiler(settings.arch or default_arch(env["cc"]), settings.cache_dir, settings.jobs, settings.timeout)
         run_id = new_run_id()
-        search = SearchProposer(env, seed=seed)
+
+        def cached(target: Problem, name: str, params: dict[str, Any]) -> bool:
+            return compiler.lookup(render_stage.render(Candidate.from_template(name, params), target)) is not None
+
+        prior = select(recorded, gpu=env["gpu"], status="ok").to_dict("records") if len(recorded) else []
+        search = SearchProposer(env, seed=seed, prior=prior, cached=cached)
         chosen = search
         if llm_settings is not None:
             from .llm import LLMProposer

@@ -12,6 +12,7 @@ import json
 import math
 import random
 import statistics
+from collections.abc import Callable
 from typing import Any, Protocol
 
 from .candidate import Candidate
@@ -31,21 +32,64 @@ def tried(history: list[dict[str, Any]]) -> set[tuple[str, str]]:
     return {(row["template"], row["params"]) for row in history if row.get("template")}
 
 
-class SearchProposer:
-    """Starts from the cost model's ranking, then searches around what measured best.
+def problem_distance(a: Problem, b: Problem) -> float:
+    """How far apart two problems are for sharing configurations: log2 distance of m, n
+    and k, plus 4 (a factor of 16 in one dimension) for another dtype or layout."""
+    logs = sum(abs(math.log2(x / y)) for x, y in ((a.m, b.m), (a.n, b.n), (a.k, b.k)))
+    return logs + (4.0 if (a.dtype, a.layout) != (b.dtype, b.layout) else 0.0)
 
-    Each round: the neighbours (one parameter moved one step in its values list) of the
-    three fastest measured configurations, ranked by the cost model rescaled per template
-    by how far its predictions were from the measurements; the rest of the batch follows
-    the global ranking. Ties are broken by a seeded shuffle: deterministic per --seed.
+
+def row_params(templates: dict[str, Template], row: dict[str, Any]) -> dict[str, Any] | None:
+    """A leaderboard row's template parameters as a configuration of today's space, or None."""
+    template = templates.get(row.get("template") or "")
+    return template.space.complete(json.loads(row["params"])) if template and row.get("params") else None
+
+
+def nearest_configs(problem: Problem, rows: list[dict[str, Any]], per_problem: int = 3) -> list[tuple[str, dict]]:
+    """The template configurations that measured fastest on other problems: the best
+    `per_problem` of each problem (by offline speedup), nearest problems first."""
+    by_problem: dict[Problem, list[dict[str, Any]]] = {}
+    for row in rows:
+        speedup = row.get("speedup_offline")
+        if (row.get("status") == "ok" and isinstance(row.get("template"), str) and isinstance(row.get("params"), str)
+                and speedup is not None and speedup == speedup):
+            other = Problem(int(row["m"]), int(row["n"]), int(row["k"]), row["dtype"], row["layout"])
+            if other != problem:
+                by_problem.setdefault(other, []).append(row)
+    found: list[tuple[str, dict]] = []
+    for other in sorted(by_problem, key=lambda o: (problem_distance(problem, o), o.m, o.n, o.k, o.dtype, o.layout)):
+        best = sorted(by_problem[other], key=lambda r: -r["speedup_offline"])[:per_problem]
+        found += [(r["template"], r["params"]) for r in best]
+    return found
+
+
+class SearchProposer:
+    """Starts from what won on the nearest problems and the cost model's ranking, then
+    searches around what measured best.
+
+    The first round, before this problem has any measured configuration, leads with the
+    fastest configurations of the nearest other problems (`prior`: leaderboard rows).
+    Each later round: the neighbours (one parameter moved one step in its values list) of
+    the three fastest measured configurations. Both are ranked by the cost model rescaled
+    per template by how far its predictions were from the measurements; the rest of the
+    batch follows the global ranking. A configuration whose build is not in the compile
+    cache (`cached` says) counts UNCACHED_PENALTY slower: a CUTLASS compile costs a
+    minute, a cached one nothing. Ties are broken by a seeded shuffle: deterministic per
+    --seed.
     """
 
     name = "search"
+    UNCACHED_PENALTY = 1.05
+    WINDOW = 256  # ranked configurations re-ordered by the cache preference
 
-    def __init__(self, device: dict[str, Any], seed: int = 0, templates: dict[str, Template] | None = None):
+    def __init__(self, device: dict[str, Any], seed: int = 0, templates: dict[str, Template] | None = None,
+                 prior: list[dict[str, Any]] | None = None,
+                 cached: Callable[[Problem, str, dict], bool] | None = None):
         self.device = device
         self.seed = seed
         self.templates = templates or load_templates()
+        self.prior = prior or []
+        self.cached = cached
         self._ranking: dict[Problem, list[tuple[float, str, dict]]] = {}
 
     def ranking(self, problem: Problem) -> list[tuple[float, str, dict]]:
@@ -63,7 +107,8 @@ class SearchProposer:
         for row in history:
             if row.get("status") == "ok" and row.get("template") in self.templates and row.get("offline_us"):
                 template = self.templates[row["template"]]
-                predicted = predict_us(template, json.loads(row["params"]), problem, self.device)
+                params = row_params(self.templates, row)
+                predicted = predict_us(template, params, problem, self.device) if params else math.inf
                 if math.isfinite(predicted):
                     ratios.setdefault(row["template"], []).append(row["offline_us"] / predicted)
         return {name: statistics.median(values) for name, values in ratios.items()}
@@ -84,8 +129,12 @@ class SearchProposer:
         seen = tried(history)
         scales = self._scales(problem, history)
 
+        def penalty(name: str, params: dict[str, Any]) -> float:
+            return 1.0 if self.cached is None or self.cached(problem, name, params) else self.UNCACHED_PENALTY
+
         def score(name: str, params: dict[str, Any]) -> float:
-            return predict_us(self.templates[name], params, problem, self.device) * scales.get(name, 1.0)
+            t = predict_us(self.templates[name], params, problem, self.device) * scales.get(name, 1.0)
+            return t * penalty(name, params) if math.isfinite(t) else t
 
         picks: list[Candidate] = []
 
@@ -102,15 +151,29 @@ class SearchProposer:
             key=lambda row: row["offline_us"],
         )
         near = []
-        for row in measured[:3]:
-            for params in self._neighbours(row["template"], json.loads(row["params"])):
-                t = score(row["template"], params)
-                if math.isfinite(t):
-                    near.append((t, row["template"], params))
-        near.sort(key=lambda e: e[0])
-        for _, name, params in near[: (n + 1) // 2]:
-            take(name, params)
-        for _, name, params in sorted(self.ranking(problem), key=lambda e: e[0] * scales.get(e[1], 1.0)):
+        if measured:
+            for row in measured[:3]:
+                if (params := row_params(self.templates, row)) is not None:
+                    near += [(row["template"], moved) for moved in self._neighbours(row["template"], params)]
+        else:  # warm start: what won on the nearest problems, if it can run this one
+            for name, recorded in nearest_configs(problem, self.prior):
+                template = self.templates.get(name)
+                if template is None or not template.supports(problem, self.device["cc"]):
+                    continue
+                params = template.space.complete(json.loads(recorded))
+                if params is not None and not template.space.violations(params, self.device["cc"]):
+                    near.append((name, params))
+        scored = [(score(name, params), name, params) for name, params in near]
+        if measured:  # neighbours by the model; warm-start picks keep nearest-problem order
+            scored.sort(key=lambda e: e[0])
+        for t, name, params in scored:
+            if len(picks) >= (n + 1) // 2:
+                break
+            if math.isfinite(t):
+                take(name, params)
+        ranked = sorted(self.ranking(problem), key=lambda e: e[0] * scales.get(e[1], 1.0))
+        head = sorted(ranked[: self.WINDOW], key=lambda e: e[0] * scales.get(e[1], 1.0) * penalty(e[1], e[2]))
+        for _, name, params in head + ranked[self.WINDOW:]:
             if len(picks) >= n:
                 break
             take(name, params)

@@ -5,6 +5,12 @@
 #   scripts/gpu_session.sh devset  -> cudal2 bench on every row of shapes/dev.csv (DEVSET=path)
 #   scripts/gpu_session.sh sweep   -> a grid of sm80_mma configurations at 4096^3
 #   scripts/gpu_session.sh sweep-occupancy -> 128x128 tiles at two blocks per SM
+#   scripts/gpu_session.sh precompile -> compile scripts/sm90_grids.txt for sm_90a (no GPU needed)
+#   scripts/gpu_session.sh sweep90 -> those grids at 4096^3 and 8192^3 fp16 nn, 4096^3 bf16 nt
+#   scripts/gpu_session.sh sweep90-4096 -> those grids at 4096^3 fp16 nn only
+#   scripts/gpu_session.sh small   -> sm80_mma small tiles and split-K on small and skinny shapes
+#   scripts/gpu_session.sh devset-optimize -> cudal2 optimize (search) on every row of DEVSET
+#     (DEVSET_ROWS='1,8p;19p' picks data rows as a sed -n script; OPTIMIZE="..." sets its options)
 # Logs, JSON and a tarball of the results directory go to ${OUT:-gpu-run}/.
 set -uo pipefail
 out=${OUT:-gpu-run}
@@ -12,6 +18,10 @@ mkdir -p "$out"
 export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 results=${RESULTS:-gpu-results}  # merged into results/ by hand after review
 cudal2() { python3 -m cudal2_cli "$@"; }
+# One line of scripts/sm90_grids.txt as --param arguments.
+grids() { grep -v '^#' scripts/sm90_grids.txt | grep -v '^ *$'; }
+params() { for p in $1; do printf -- '--param %s ' "$p"; done; }
+sm90_shapes=("4096 4096 4096 fp16 nn" "8192 8192 8192 fp16 nn" "4096 4096 4096 bf16 nt")
 
 for stage in "$@"; do
   case "$stage" in
@@ -25,6 +35,13 @@ for stage in "$@"; do
         cudal2 bench --m "$m" --n "$n" --k "$k" --dtype "$dtype" --layout "$layout" --budget 0.3 \
           --results "$results" --json | python3 -c "import json,sys; print(json.dumps(json.load(sys.stdin)))"
       done 2>&1 | tee "$out/devset.jsonl" ;;
+    devset-optimize)  # the search proposer on every row (warm-started from the leaderboard)
+      tail -n +2 "${DEVSET:-../shared/shapes/dev.csv}" | sed -n "${DEVSET_ROWS:-p}" \
+        | while IFS=, read -r m n k dtype layout group; do
+        cudal2 optimize --m "$m" --n "$n" --k "$k" --dtype "$dtype" --layout "$layout" \
+          ${OPTIMIZE:---iterations 2 --batch 8 --patience 1 --budget 0.2} --results "$results" --json \
+          | python3 -c "import json,sys; print(json.dumps(json.load(sys.stdin)))"
+      done 2>&1 | tee -a "$out/devset-optimize.jsonl" ;;
     sweep-occupancy)
       cudal2 bench --m 4096 --n 4096 --k 4096 --results "$results" --budget 0.3 --template sm80_mma \
         --param block_m=128 --param block_n=128 --param block_k=32,64 --param warps_m=2,4 --param warps_n=2,4 \
@@ -33,7 +50,32 @@ for stage in "$@"; do
       cudal2 bench --m 4096 --n 4096 --k 4096 --results "$results" --budget 0.3 --template sm80_mma \
         --param block_m=128,256 --param block_n=128,256 --param block_k=32,64 \
         --param warps_m=2,4 --param warps_n=2,4 --param stages=3,4 2>&1 | tee "$out/sweep-4096.txt" ;;
+    precompile)
+      for dl in "fp16 nn" "bf16 nt"; do
+        set -- $dl
+        grids | tac | while read -r line; do
+          cudal2 compile --template sm90_cutlass $(params "$line") --dtype "$1" --layout "$2" \
+            --arch sm_90a --json
+        done
+      done 2>&1 | tee "$out/precompile.log" ;;
+    sweep90|sweep90-4096)
+      shapes=("${sm90_shapes[@]}")
+      [ "$stage" = sweep90-4096 ] && shapes=("${sm90_shapes[0]}")
+      for shape in "${shapes[@]}"; do
+        set -- $shape
+        grids | while read -r line; do
+          cudal2 bench --m "$1" --n "$2" --k "$3" --dtype "$4" --layout "$5" --budget 0.3 \
+            --results "$results" --template sm90_cutlass $(params "$line") --json
+        done
+      done 2>&1 | tee "$out/$stage.jsonl" ;;
+    small)  # shape, then a grid of sm80_mma parameters; one JSON document per line
+      while read -r m n k dtype layout grid; do
+        cudal2 bench --m "$m" --n "$n" --k "$k" --dtype "$dtype" --layout "$layout" --budget 0.2 \
+          --results "$results" --template sm80_mma $(params "$grid") --json
+      done < <(grep -v "^#" scripts/small_grids.txt) 2>&1 | tee "$out/small.jsonl" ;;
     *) echo "unknown stage $stage" >&2; exit 2 ;;
   esac
 done
 tar czf "$out/results.tgz" "$results" 2>/dev/null || true
+# Kernels compiled here, for the next machine's cache (CUDAL2_CACHE_DIR only).
+[ -n "${CUDAL2_CACHE_DIR:-}" ] && tar czf "$out/cache.tgz" -C "$CUDAL2_CACHE_DIR" kernels 2>/dev/null || true

@@ -29,6 +29,13 @@ def test_bf16_nt_variant_compiles(compiler):
     assert compiler.compile(source).status == "ok"
 
 
+def test_split_k_cluster_variant_compiles_without_new_imports(compiler):
+    split = {"block_m": "16", "block_n": "64", "warps_m": "1", "warps_n": "2", "split_k": "4"}
+    build = compiler.compile(render(template_candidate("sm80_mma", split, 90), Problem(1, 1, 1, "bf16", "nt")))
+    assert build.status == "ok", build.log
+    assert build.spill_bytes == 0 and forbidden_imports(build.imports) == []
+
+
 def test_compile_error_keeps_the_log_and_is_cached(compiler):
     build = compiler.compile('extern "C" int cudal2_gemm() { return undefined_thing; }')
     assert build.status == "compile_error" and build.library is None

@@ -35,3 +35,30 @@ def test_tile_quantisation_is_paid():
 def test_shapes_tma_cannot_load_are_left_to_other_templates():
     ranked = rank(load_templates(), Problem(100, 200, 300), H200)
     assert ranked and {name for _, name, _ in ranked} == {"sm80_mma"}
+
+
+def test_ranking_agrees_with_the_recorded_h200_measurements():
+    """On every problem of results/leaderboard with at least 10 measured configurations (on
+    the H200), the model's 10 best-ranked of them include one within 5% of the fastest."""
+    import json
+    from pathlib import Path
+
+    from cudal2_cli.leaderboard import Leaderboard
+
+    df = Leaderboard(Path(__file__).resolve().parents[1] / "results").read()
+    ok = df[(df["status"] == "ok") & df["template"].notna() & (df["gpu"] == "NVIDIA H200")]
+    checked = 0
+    for (m, n, k, dtype, layout), rows in ok.groupby(["m", "n", "k", "dtype", "layout"]):
+        problem, measured = Problem(int(m), int(n), int(k), dtype, layout), {}
+        for row in rows.itertuples():
+            template = get_template(row.template)
+            params = template.space.complete(json.loads(row.params))
+            if params is not None:
+                key = (row.template, json.dumps(params, sort_keys=True))
+                measured[key] = max(measured.get(key, 0.0), row.speedup_offline)
+        if len(measured) < 10:
+            continue
+        ranked = sorted(measured, key=lambda key: predict_us(get_template(key[0]), json.loads(key[1]), problem, H200))
+        assert max(measured[key] for key in ranked[:10]) >= 0.95 * max(measured.values()), problem
+        checked += 1
+    assert checked >= 5

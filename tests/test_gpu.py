@@ -28,8 +28,10 @@ DIMS = (1, 17, 63, 65, 127, 1000, 4097)
 SHAPES = sorted({(v, 128, 256) for v in DIMS} | {(128, v, 256) for v in DIMS}
                 | {(128, 256, v) for v in DIMS} | {(65, 127, 63), (1000, 1000, 1000)})
 # The default, plus a configuration exercising the other swizzle branches (64-wide K
-# slices, 32-wide N tiles) and a shallower pipeline.
+# slices, 32-wide N tiles) and a shallower pipeline; on sm_90+ also split-K clusters: a
+# 16-row tile split 4 ways, and the default split 8 ways (most slices empty when K is small).
 CONFIGS = ({}, {"block_m": "64", "block_n": "32", "block_k": "64", "warps_m": "2", "warps_n": "1", "stages": "3"})
+SPLIT_CONFIGS = ({"block_m": "16", "block_n": "64", "warps_m": "1", "warps_n": "2", "split_k": "4"}, {"split_k": "8"})
 
 
 @pytest.mark.parametrize("dtype", ["fp16", "bf16"])
@@ -37,7 +39,8 @@ CONFIGS = ({}, {"block_m": "64", "block_n": "32", "block_k": "64", "warps_m": "2
 def test_sm80_template_is_correct_on_odd_shapes(compiler, dtype, layout):
     import cupy
 
-    candidates = [template_candidate("sm80_mma", params, gpu_cc()) for params in CONFIGS]
+    configs = CONFIGS + (SPLIT_CONFIGS if gpu_cc() >= 90 else ())
+    candidates = [template_candidate("sm80_mma", params, gpu_cc()) for params in configs]
     builds = compiler.compile_all([render(c, Problem(1, 1, 1, dtype, layout)) for c in candidates])
     assert all(b.status == "ok" for b in builds), [b.log[-2000:] for b in builds]
     stream = cupy.cuda.Stream(non_blocking=True)

@@ -106,6 +106,42 @@ def test_search_moves_to_neighbours_of_the_fastest_measured(tmp_path):
     assert moved == [1, 1] and best not in proposals
 
 
+def test_first_batch_leads_with_what_won_on_the_nearest_problems():
+    space = get_template("sm80_mma").space
+
+    def row(m, n, k, speedup, **params):
+        cand = Candidate.from_template("sm80_mma", {**space.defaults(), **params})
+        return {"status": "ok", "template": "sm80_mma", "params": cand.params_json, "kernel": str(cand),
+                "m": m, "n": n, "k": k, "dtype": "fp16", "layout": "nn", "speedup_offline": speedup}
+
+    prior = [row(1024, 1024, 1024, 0.9, block_m=64), row(1024, 1024, 1024, 0.7, block_m=32, warps_m=2),
+             row(8192, 8192, 8192, 1.2, block_n=256), row(1024, 1024, 1024, float("nan"), stages=3),
+             {**row(1024, 1024, 1024, 2.0), "dtype": "bf16"}]  # another dtype counts as far away
+    search = SearchProposer(H200, prior=prior, templates={"sm80_mma": get_template("sm80_mma")})
+    first = search.propose(Problem(1000, 1000, 1000), [], 6)
+    heads = [(c.param_dict["block_m"], c.param_dict["block_n"]) for c in first[:3]]
+    # Half the batch: the nearest problem's two (best first), then the next nearest: the same
+    # size in bf16 (distance 4 + 0.1) comes before 8192^3 fp16 (3 * log2(8.192) = 9.1).
+    assert heads == [(64, 128), (32, 128), (128, 128)]
+    assert all(c.param_dict["stages"] != 3 for c in first[:3])  # a NaN speedup is no evidence
+
+
+def test_search_prefers_configurations_already_compiled():
+    p = Problem(512, 512, 512)
+    plain = sm80_search().propose(p, [], 4)
+    favourite = plain[3]
+    search = SearchProposer(H200, templates={"sm80_mma": get_template("sm80_mma")},
+                            cached=lambda problem, name, params: params == favourite.param_dict)
+    assert search.propose(p, [], 4)[0] == favourite
+
+
+def test_recorded_parameters_complete_with_defaults_of_newer_parameters():
+    space = get_template("sm80_mma").space
+    older = {k: v for k, v in space.defaults().items() if k != "split_k"}  # recorded before split_k existed
+    assert space.complete(older) == space.defaults()
+    assert space.complete({**older, "retired": 1}) is None and space.complete({"block_m": 100}) is None
+
+
 def test_patience_stops_a_run_that_no_longer_improves(tmp_path, compiler):
     worker = StandInWorker(times=[50.0, 60.0, 70.0, 80.0, 90.0, 95.0])
     out = optimize(context(tmp_path, compiler, worker), sm80_search(), Budget(iterations=5, batch=2, patience=1))

@@ -35,10 +35,11 @@ def test_candidates_are_values():
 
 @pytest.mark.parametrize("params, message", [
     ({"block_q": "64"}, "unknown parameter block_q for template sm80_mma"),
-    ({"block_m": "100"}, r"block_m=100 is outside template sm80_mma's space \(32, 64, 128, 256\)"),
+    ({"block_m": "100"}, r"block_m=100 is outside template sm80_mma's space \(16, 32, 64, 128, 256\)"),
     ({"block_m": "big"}, "block_m takes an integer"),
     ({"block_m": "32", "warps_m": "4"}, r"fails block_m % \(warps_m \* 16\) == 0"),
     ({"block_m": "256", "block_n": "256", "block_k": "64", "stages": "5"}, "fails .*smem_bytes <= max_smem"),
+    ({"split_k": "3"}, r"split_k=3 is outside template sm80_mma's space \(1, 2, 4, 8\)"),
 ])
 def test_invalid_parameters_are_rejected_before_compiling(params, message):
     with pytest.raises(Cudal2Error, match=message):
@@ -50,6 +51,19 @@ def test_shared_memory_limit_follows_the_target():
     template_candidate("sm80_mma", big, 90)
     with pytest.raises(Cudal2Error, match="smem_bytes <= max_smem"):
         template_candidate("sm80_mma", big, 86)
+
+
+def test_split_k_needs_clusters_and_room_for_the_partial_tile():
+    split = {"block_m": "16", "block_n": "64", "warps_m": "1", "warps_n": "2", "split_k": "4"}
+    source = render(template_candidate("sm80_mma", split, 90), Problem(16, 4096, 4096, "bf16", "nt"))
+    assert "__cluster_dims__(1, 1, SPLIT_K)" in source and "SPLIT_K = 4" in source
+    assert "__cluster_dims__" not in render(template_candidate("sm80_mma", {}, 90), Problem(1, 1, 1, "fp16", "nn"))
+    with pytest.raises(Cudal2Error, match="fails split_k == 1 or cc >= 90"):
+        template_candidate("sm80_mma", split, 80)  # thread-block clusters start with sm_90
+    # 256x256 fp32 partial tile (263 KiB) exceeds shared memory even where the pipeline fits.
+    with pytest.raises(Cudal2Error, match="smem_bytes <= max_smem"):
+        template_candidate("sm80_mma", {"block_m": "256", "block_n": "256", "block_k": "32", "stages": "2",
+                                        "split_k": "2"}, 90)
 
 
 def test_unknown_template():
