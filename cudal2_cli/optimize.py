@@ -9,6 +9,7 @@ import time
 from collections import Counter
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
@@ -90,6 +91,9 @@ def optimize(ctx: Context, proposer: Proposer, budget: Budget, *, remeasure: boo
     def over_time() -> bool:
         return budget.time_s is not None and time.monotonic() - start >= budget.time_s
 
+    def time_left() -> float | None:
+        return None if budget.time_s is None else max(0.0, budget.time_s - (time.monotonic() - start))
+
     def prepare(snapshot: list[dict[str, Any]]) -> tuple[list[Built], list[dict[str, Any]]]:
         """Propose and compile one batch (runs beside the GPU work of the previous one)."""
         proposals = proposer.propose(ctx.problem, snapshot, budget.batch)
@@ -118,11 +122,17 @@ def optimize(ctx: Context, proposer: Proposer, budget: Budget, *, remeasure: boo
     best = best_row(history, ctx.mode)
     best_speedup = best[metric] if best else 0.0
     stale = 0
-    with ThreadPoolExecutor(max_workers=1) as pool:
+    # Not a `with` block: when the time budget ends during a compile the run stops without
+    # waiting for it (the compile still finishes in the background and fills the cache).
+    pool = ThreadPoolExecutor(max_workers=1)
+    try:
         pending = pool.submit(prepare, list(visible))
         for iteration in range(budget.iterations):
             try:
-                built, invalid = pending.result()
+                built, invalid = pending.result(timeout=time_left())
+            except FutureTimeout:
+                out.stopped = "time budget spent (while the next batch compiled)"
+                break
             except Cudal2Error as exc:  # e.g. the LLM endpoint failed for good: keep what we have
                 out.stopped = f"the proposer failed: {exc}"
                 break
@@ -163,6 +173,8 @@ def optimize(ctx: Context, proposer: Proposer, budget: Budget, *, remeasure: boo
                 out.stopped = f"no better kernel in {stale} batches (patience)"
                 pending.cancel()
                 break
+    finally:
+        pool.shutdown(wait=False, cancel_futures=True)
     out.wall_s = time.monotonic() - start
     out.best = best_row(history, ctx.mode)
     if out.best is not None:

@@ -8,6 +8,7 @@ proposers that parse free text, `Invalid` records of proposals that were unusabl
 
 from __future__ import annotations
 
+import itertools
 import json
 import math
 import random
@@ -67,12 +68,12 @@ class SearchProposer:
     """Starts from what won on the nearest problems and the cost model's ranking, then
     searches around what measured best.
 
-    The first round, before this problem has any measured configuration, leads with the
-    fastest configurations of the nearest other problems (`prior`: leaderboard rows).
-    Each later round: the neighbours (one parameter moved one step in its values list) of
-    the three fastest measured configurations. Both are ranked by the cost model rescaled
-    per template by how far its predictions were from the measurements; the rest of the
-    batch follows the global ranking. A configuration whose build is not in the compile
+    Half of each batch alternates between the fastest configurations of the nearest other
+    problems (`prior`: leaderboard rows; nearest first) and the neighbours (one parameter
+    moved one step in its values list) of this problem's three fastest measured
+    configurations (ranked by the cost model, rescaled per template by how far its
+    predictions were from the measurements); the rest of the batch follows the global
+    ranking. A configuration whose build is not in the compile
     cache (`cached` says) counts UNCACHED_PENALTY slower: a CUTLASS compile costs a
     minute, a cached one nothing. Ties are broken by a seeded shuffle: deterministic per
     --seed.
@@ -151,22 +152,22 @@ class SearchProposer:
             key=lambda row: row["offline_us"],
         )
         near = []
-        if measured:
-            for row in measured[:3]:
-                if (params := row_params(self.templates, row)) is not None:
-                    near += [(row["template"], moved) for moved in self._neighbours(row["template"], params)]
-        else:  # warm start: what won on the nearest problems, if it can run this one
-            for name, recorded in nearest_configs(problem, self.prior):
-                template = self.templates.get(name)
-                if template is None or not template.supports(problem, self.device["cc"]):
-                    continue
-                params = template.space.complete(json.loads(recorded))
-                if params is not None and not template.space.violations(params, self.device["cc"]):
-                    near.append((name, params))
-        scored = [(score(name, params), name, params) for name, params in near]
-        if measured:  # neighbours by the model; warm-start picks keep nearest-problem order
-            scored.sort(key=lambda e: e[0])
-        for t, name, params in scored:
+        for row in measured[:3]:
+            if (params := row_params(self.templates, row)) is not None:
+                near += [(score(row["template"], moved), row["template"], moved)
+                         for moved in self._neighbours(row["template"], params)]
+        near.sort(key=lambda e: e[0])
+        warm = []  # what won on the nearest problems, in that order, if it can run this one
+        for name, recorded in nearest_configs(problem, self.prior):
+            template = self.templates.get(name)
+            if template is None or not template.supports(problem, self.device["cc"]):
+                continue
+            params = template.space.complete(json.loads(recorded))
+            if params is not None and not template.space.violations(params, self.device["cc"]):
+                warm.append((score(name, params), name, params))
+        # Half the batch: warm-start picks and neighbours, alternating (warm first).
+        alternating = [e for pair in itertools.zip_longest(warm, near) for e in pair if e is not None]
+        for t, name, params in alternating:
             if len(picks) >= (n + 1) // 2:
                 break
             if math.isfinite(t):

@@ -9,6 +9,7 @@
 #   scripts/gpu_session.sh sweep90 -> those grids at 4096^3 and 8192^3 fp16 nn, 4096^3 bf16 nt
 #   scripts/gpu_session.sh sweep90-4096 -> those grids at 4096^3 fp16 nn only
 #   scripts/gpu_session.sh small   -> sm80_mma small tiles and split-K on small and skinny shapes
+#   scripts/gpu_session.sh devset-grids -> scripts/devset_grids.txt: dev-set rows over fixed grids
 #   scripts/gpu_session.sh devset-optimize -> cudal2 optimize (search) on every row of DEVSET
 #     (DEVSET_ROWS='1,8p;19p' picks data rows as a sed -n script; OPTIMIZE="..." sets its options)
 # Logs, JSON and a tarball of the results directory go to ${OUT:-gpu-run}/.
@@ -35,6 +36,12 @@ for stage in "$@"; do
         cudal2 bench --m "$m" --n "$n" --k "$k" --dtype "$dtype" --layout "$layout" --budget 0.3 \
           --results "$results" --json | python3 -c "import json,sys; print(json.dumps(json.load(sys.stdin)))"
       done 2>&1 | tee "$out/devset.jsonl" ;;
+    devset-grids)  # m n k dtype layout template grid...; one JSON document per line
+      grep -v '^#' scripts/devset_grids.txt | while read -r m n k dtype layout template grid; do
+        cudal2 bench --m "$m" --n "$n" --k "$k" --dtype "$dtype" --layout "$layout" --budget 0.2 \
+          --results "$results" --template "$template" $(params "$grid") --json \
+          | python3 -c "import json,sys; print(json.dumps(json.load(sys.stdin)))"
+      done 2>&1 | tee "$out/devset-grids.jsonl" ;;
     devset-optimize)  # the search proposer on every row (warm-started from the leaderboard)
       tail -n +2 "${DEVSET:-../shared/shapes/dev.csv}" | sed -n "${DEVSET_ROWS:-p}" \
         | while IFS=, read -r m n k dtype layout group; do

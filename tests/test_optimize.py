@@ -126,6 +126,19 @@ def test_first_batch_leads_with_what_won_on_the_nearest_problems():
     assert all(c.param_dict["stages"] != 3 for c in first[:3])  # a NaN speedup is no evidence
 
 
+def test_nearest_winners_still_come_when_this_problem_has_only_a_weak_history():
+    space = get_template("sm80_mma").space
+    winner = Candidate.from_template("sm80_mma", {**space.defaults(), "block_m": 16, "warps_m": 1, "split_k": 2})
+    prior = [{"status": "ok", "template": "sm80_mma", "params": winner.params_json, "kernel": str(winner),
+              "m": 16, "n": 4096, "k": 4096, "dtype": "bf16", "layout": "nt", "speedup_offline": 1.09}]
+    default = Candidate.from_template("sm80_mma", space.defaults())
+    history = [{"status": "ok", "template": "sm80_mma", "params": default.params_json, "offline_us": 146.0, "kernel": "d"}]
+    search = SearchProposer(H200, prior=prior, templates={"sm80_mma": get_template("sm80_mma")})
+    picks = search.propose(Problem(16, 4096, 14336, "bf16", "nt"), history, 4)
+    assert picks[0] == winner  # then a neighbour of the default
+    assert sum(a != b for a, b in zip(default.params, picks[1].params)) == 1
+
+
 def test_search_prefers_configurations_already_compiled():
     p = Problem(512, 512, 512)
     plain = sm80_search().propose(p, [], 4)
@@ -151,7 +164,23 @@ def test_patience_stops_a_run_that_no_longer_improves(tmp_path, compiler):
 
 def test_time_budget_is_honoured(tmp_path, compiler):
     out = optimize(context(tmp_path, compiler, StandInWorker()), sm80_search(), Budget(iterations=5, batch=2, time_s=0.0))
-    assert out.stopped == "time budget spent" and not [r for r in out.rows if r["kernel"] != "cuBLAS"]
+    assert out.stopped.startswith("time budget spent") and not [r for r in out.rows if r["kernel"] != "cuBLAS"]
+
+
+def test_time_budget_does_not_wait_for_a_slow_compile(tmp_path, compiler, monkeypatch):
+    import time as clock
+
+    from cudal2_cli import optimize as loop
+
+    def slow_build(ctx, candidates):
+        clock.sleep(3.0)
+        return []
+
+    monkeypatch.setattr(loop, "build_all", slow_build)
+    began = clock.monotonic()
+    out = optimize(context(tmp_path, compiler, StandInWorker()), sm80_search(), Budget(iterations=3, batch=2, time_s=0.5))
+    assert out.stopped == "time budget spent (while the next batch compiled)"
+    assert clock.monotonic() - began < 2.5
 
 
 class Scripted:
