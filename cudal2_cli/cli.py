@@ -371,6 +371,9 @@ def leaderboard_cmd(
     status: Annotated[Optional[str], typer.Option(help=f"show rows of this status: {' | '.join(STATUSES)}")] = None,
     top: Annotated[int, typer.Option(help="kernels per problem")] = 1,
     format: Annotated[str, typer.Option(help="table | csv | json | markdown")] = "table",
+    shapes: Annotated[Optional[Path], typer.Option(
+        help="a shape set (CSV with m,n,k,dtype,layout columns): its rows only, in its order, "
+             "with the geometric mean and minimum of their best speedups")] = None,
     results: Results = None,
 ) -> None:
     """Show the best verified kernel per problem with its speedup over cuBLAS.
@@ -386,6 +389,11 @@ def leaderboard_cmd(
     settings = load_settings({"results": results})
     df = select(Leaderboard(settings.results).read(), m=m, n=n, k=k, gpu=gpu, dtype=dtype, layout=layout)
     keys = ["gpu", "m", "n", "k", "dtype", "layout"]
+    if shapes is not None:
+        if status is not None:
+            raise Cudal2Error("--shapes reports the best kernels; it does not combine with --status")
+        report_shapes(df, read_shapes(shapes), format)
+        return
     if status is None:
         df = best(df, top)
         columns = keys + ["kernel", "offline_us", "cublas_offline_us", "speedup_offline", "tflops",
@@ -395,6 +403,47 @@ def leaderboard_cmd(
         columns = keys + ["kernel", "status", "error", "time"]
     df = df.sort_values(keys)[columns]
     emit_frame(df, format)
+
+
+def read_shapes(path: Path) -> list[Problem]:
+    """The problems of a shape-set CSV (columns m, n, k, dtype, layout; others ignored)."""
+    try:
+        table = pd.read_csv(path)
+    except (OSError, ValueError) as exc:
+        raise Cudal2Error(f"cannot read shape set {path}: {exc}") from None
+    missing = [c for c in ("m", "n", "k", "dtype", "layout") if c not in table.columns]
+    if missing:
+        raise Cudal2Error(f"shape set {path} lacks column(s) {', '.join(missing)}")
+    return [Problem.parse(r.m, r.n, r.k, r.dtype, r.layout) for r in table.itertuples()]
+
+
+def report_shapes(df: pd.DataFrame, problems: list[Problem], format: str) -> None:
+    """The best kernel of every listed problem (per GPU), then the geometric mean and the
+    minimum of their speedups; a problem with no verified kernel is listed as missing."""
+    winners = best(df, 1)
+    columns = ["gpu", "m", "n", "k", "dtype", "layout", "kernel", "offline_us", "cublas_offline_us",
+               "speedup_offline", "tflops"]
+    rows = []
+    for p in problems:
+        found = select(winners, m=p.m, n=p.n, k=p.k, dtype=p.dtype, layout=p.layout)
+        if found.empty:
+            rows.append({"gpu": None, "m": p.m, "n": p.n, "k": p.k, "dtype": p.dtype, "layout": p.layout,
+                         "kernel": "(none measured)"})
+        rows += found[columns].to_dict("records")
+    frame = pd.DataFrame(rows, columns=columns)
+    speedups = frame["speedup_offline"].dropna()
+    summary = {
+        "shapes": len(problems), "measured": int(len(speedups)), "missing": int(frame["speedup_offline"].isna().sum()),
+        "geomean_speedup": float(math.exp(sum(math.log(v) for v in speedups) / len(speedups))) if len(speedups) else None,
+        "min_speedup": float(speedups.min()) if len(speedups) else None,
+    }
+    if format == "json":
+        print(json.dumps({"rows": jsonable(frame.to_dict("records")), "summary": summary}, indent=1))
+        return
+    emit_frame(frame, format)
+    if format != "csv":
+        print(f"{summary['measured']} of {summary['shapes']} shapes measured; speedup over cuBLAS: geometric mean "
+              f"{fmt(summary['geomean_speedup'], 3)}, minimum {fmt(summary['min_speedup'], 3)}")
 
 
 def emit_frame(df: pd.DataFrame, format: str) -> None:

@@ -124,6 +124,19 @@ def test_leaderboard_formats(results):
     assert "sm80_mma(b)" in table and "cheater" not in table
 
 
+def test_leaderboard_reports_a_shape_set_with_its_geometric_mean(results, tmp_path):
+    shapes = tmp_path / "shapes.csv"
+    shapes.write_text("m,n,k,dtype,layout,group\n4096,4096,4096,fp16,nn,big\n64,4096,4096,fp16,nn,small\n"
+                      "7,7,7,fp16,nn,never\n")
+    report = json.loads(run("leaderboard", "--results", results, "--shapes", shapes, "--format", "json").output)
+    assert [(r["m"], r["kernel"]) for r in report["rows"]] == [(4096, "sm80_mma(b)"), (64, "small"), (7, "(none measured)")]
+    summary = report["summary"]
+    assert (summary["shapes"], summary["measured"], summary["missing"]) == (3, 2, 1)
+    assert summary["geomean_speedup"] == pytest.approx((0.9 * 1.3) ** 0.5) and summary["min_speedup"] == 0.9
+    assert "geometric mean 1.082, minimum 0.900" in run("leaderboard", "--results", results, "--shapes", shapes).output
+    one_line_error(run("leaderboard", "--results", results, "--shapes", tmp_path / "nope.csv"), "cannot read shape set")
+
+
 def test_leaderboard_filters_top_and_status(results):
     top2 = json.loads(run("leaderboard", "--results", results, "--m", 4096, "--top", 2, "--format", "json").output)
     assert [r["kernel"] for r in top2] == ["sm80_mma(b)", "sm80_mma(a)"]
