@@ -17,6 +17,11 @@ from .render import Template
 LAUNCH_US = 2.0  # a launch and its tail, measured: cuBLAS 64^3 takes ~2-3 us back to back
 OVERLAP_LOSS = 0.25  # share of the shorter of compute and memory time not hidden behind the other
 L2_PER_DRAM = 2.5  # L2-to-SM bandwidth over DRAM bandwidth, roughly, on H100/H200
+# Warps per SM below which an SM cannot keep enough loads in flight to reach the memory
+# bandwidth (Little's law). Ranking the recorded H200 measurements (docs/): geometric mean,
+# over 28 problems, of the best of the model's top 3 over the best measured: 0.744 without
+# this term, 0.949 at 4 warps, 0.966 at 8.
+OCCUPANCY_WARPS = 8
 
 
 def tensor_peak(device: dict[str, Any]) -> float:
@@ -44,6 +49,12 @@ def predict_us(template: Template, params: dict[str, Any], problem: Problem, dev
     compute_s = waves * 2.0 * tm * tn * math.ceil(problem.k / split) / per_slot_flops
     l2_bytes = tiles * (tm + tn) * problem.k * 2 + (tiles * tm * tn * 4 * 2 if split > 1 else 0)
     memory_s = max(problem.min_bytes / dram_bandwidth(device), l2_bytes / (L2_PER_DRAM * dram_bandwidth(device)))
+    # Too few warps on an SM cannot keep enough loads in flight: the memory time stretches
+    # by the missing share of OCCUPANCY_WARPS (templates that give `warps` per block).
+    if c.get("warps"):
+        resident = min(max(1, int(c["ctas_per_sm"])), math.ceil(tiles * split / device["sm_count"]))
+        occupancy = min(1.0, resident * int(c["warps"]) / OCCUPANCY_WARPS)
+        memory_s = memory_s / occupancy
     # Compute and memory overlap, but not perfectly: a quarter of the smaller is paid too
     # (this also ranks, among memory-bound configurations, the more efficient one first).
     return (max(compute_s, memory_s) + OVERLAP_LOSS * min(compute_s, memory_s)) * 1e6 + LAUNCH_US

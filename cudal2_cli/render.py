@@ -122,8 +122,8 @@ class Space:
 
     def cost_inputs(self, params: dict[str, Any], cc: int, problem: Problem, sm_count: int) -> dict[str, Any]:
         """The [cost] table for one configuration on one problem: tile_m, tile_n,
-        ctas_per_sm, efficiency, split_k (default 1) and requires (default True; False
-        means it cannot run this shape)."""
+        ctas_per_sm, efficiency, split_k (default 1), warps per block (optional: enables the
+        occupancy term) and requires (default True; False means it cannot run this shape)."""
         names = {**self.facts(params, cc), "m": problem.m, "n": problem.n, "k": problem.k, "sm_count": sm_count}
         inputs = {name: _evaluate(expr, names) for name, expr in self.cost.items()}
         inputs.setdefault("requires", True)

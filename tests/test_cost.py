@@ -25,11 +25,25 @@ def test_stream_k_wins_when_few_tiles_leave_sms_idle():
 
 def test_tile_quantisation_is_paid():
     template = get_template("sm80_mma")
-    base = {**template.space.defaults(), "warps_m": 2, "warps_n": 2}
+    base = {**template.space.defaults(), "warps_m": 4, "warps_n": 2}  # 8 warps, one block per SM
     p = Problem(4224, 4224, 4096)  # 33 tiles of 128: a 256 tile pads to 4352
     small = predict_us(template, {**base, "block_m": 128}, p, H200)
-    large = predict_us(template, {**base, "block_m": 256, "warps_m": 4}, p, H200)
+    large = predict_us(template, {**base, "block_m": 256}, p, H200)
     assert small < large
+
+
+def test_too_few_warps_per_sm_are_paid():
+    template = get_template("sm80_mma")
+    base = {**template.space.defaults(), "block_m": 16, "block_n": 64, "warps_m": 1}
+
+    def us(problem, **params):
+        return predict_us(template, {**base, **params}, problem, H200)
+
+    # Measured on the H200 (a memory-bound decode shape): 16x4096x14336 bf16 nt took 33.0 us
+    # with a 16x64 tile on two warps, split 4, and 281 us with a 16x128 tile on one warp,
+    # split 8 (~2 warps per SM).
+    deep = Problem(16, 4096, 14336, "bf16", "nt")
+    assert us(deep, warps_n=2, split_k=4) < us(deep, block_n=128, warps_n=1, split_k=8)
 
 
 def test_shapes_tma_cannot_load_are_left_to_other_templates():
