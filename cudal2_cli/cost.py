@@ -8,11 +8,14 @@ reaches (measured); everything else comes from the problem and the device.
 
 from __future__ import annotations
 
+import json
 import math
 from typing import Any
 
+import pandas as pd
+
 from .problem import Problem
-from .render import Template
+from .render import Template, load_templates
 
 LAUNCH_US = 2.0  # a launch and its tail, measured: cuBLAS 64^3 takes ~2-3 us back to back
 OVERLAP_LOSS = 0.25  # share of the shorter of compute and memory time not hidden behind the other
@@ -72,3 +75,20 @@ def rank(templates: dict[str, Template], problem: Problem, device: dict[str, Any
                     ranked.append((predicted, name, params))
     ranked.sort(key=lambda entry: entry[0])
     return ranked
+
+
+def measured_configurations(df: pd.DataFrame, gpu: str) -> dict[Problem, dict[tuple[str, str], float]]:
+    """What the leaderboard says about the template configurations on one GPU: per problem,
+    (template, params JSON of today's space) -> best offline speedup measured."""
+    templates = load_templates()
+    ok = df[(df["status"] == "ok") & df["template"].isin(list(templates)) & (df["gpu"] == gpu)
+            & df["speedup_offline"].notna()]
+    found: dict[Problem, dict[tuple[str, str], float]] = {}
+    for row in ok.itertuples():
+        params = templates[row.template].space.complete(json.loads(row.params))
+        if params is not None:
+            problem = Problem(int(row.m), int(row.n), int(row.k), row.dtype, row.layout)
+            key = (row.template, json.dumps(params, sort_keys=True))
+            speedups = found.setdefault(problem, {})
+            speedups[key] = max(speedups.get(key, 0.0), float(row.speedup_offline))
+    return found

@@ -13,26 +13,18 @@ import statistics
 import sys
 from pathlib import Path
 
-from cudal2_cli.cost import predict_us
+from cudal2_cli.cost import measured_configurations, predict_us
 from cudal2_cli.leaderboard import Leaderboard
-from cudal2_cli.problem import Problem
 from cudal2_cli.render import get_template
 
 results = Path(sys.argv[1] if len(sys.argv) > 1 else "results")
 gpu = sys.argv[2] if len(sys.argv) > 2 else "NVIDIA H200"
 df = Leaderboard(results).read()
-ok = df[(df["status"] == "ok") & df["template"].notna() & (df["gpu"] == gpu)]
+ok = df[(df["status"] == "ok") & (df["gpu"] == gpu)]
 device = {k: ok[k].iloc[0] for k in ("cc", "sm_count", "max_sm_clock_mhz")} if len(ok) else {}
 device.update({"memory_clock_khz": 3201000, "memory_bus_bits": 6016})  # H200; not recorded per row
 top1, top3, rhos = [], [], []
-for (m, n, k, dtype, layout), rows in ok.groupby(["m", "n", "k", "dtype", "layout"]):
-    problem, measured = Problem(int(m), int(n), int(k), dtype, layout), {}
-    for row in rows.itertuples():
-        template = get_template(row.template)
-        params = template.space.complete(json.loads(row.params))
-        if params is not None:
-            key = (row.template, json.dumps(params, sort_keys=True))
-            measured[key] = max(measured.get(key, 0.0), row.speedup_offline)
+for problem, measured in sorted(measured_configurations(df, gpu).items(), key=lambda e: (e[0].m, e[0].n, e[0].k)):
     if len(measured) < 6:
         continue
     predicted = {key: predict_us(get_template(key[0]), json.loads(key[1]), problem, device) for key in measured}
@@ -44,7 +36,7 @@ for (m, n, k, dtype, layout), rows in ok.groupby(["m", "n", "k", "dtype", "layou
     size = len(measured)
     rho = 1 - 6 * sum((i - place[key]) ** 2 for i, key in enumerate(by_model)) / (size * (size * size - 1))
     top1.append(a), top3.append(b), rhos.append(rho)
-    print(f"{m}x{n}x{k} {dtype} {layout}: {size} configurations, top 1 {a:.3f}, top 3 {b:.3f}, rank correlation {rho:+.2f}")
+    print(f"{problem.m}x{problem.n}x{problem.k} {problem.dtype} {problem.layout}: {size} configurations, top 1 {a:.3f}, top 3 {b:.3f}, rank correlation {rho:+.2f}")
 geomean = lambda values: math.exp(sum(map(math.log, values)) / len(values))
 print(f"{len(top1)} problems: geometric mean top 1 {geomean(top1):.3f}, top 3 {geomean(top3):.3f}, "
       f"mean rank correlation {statistics.mean(rhos):+.3f}")

@@ -57,19 +57,12 @@ def test_ranking_agrees_with_the_recorded_h200_measurements():
     import json
     from pathlib import Path
 
+    from cudal2_cli.cost import measured_configurations
     from cudal2_cli.leaderboard import Leaderboard
 
     df = Leaderboard(Path(__file__).resolve().parents[1] / "results").read()
-    ok = df[(df["status"] == "ok") & df["template"].notna() & (df["gpu"] == "NVIDIA H200")]
     checked = 0
-    for (m, n, k, dtype, layout), rows in ok.groupby(["m", "n", "k", "dtype", "layout"]):
-        problem, measured = Problem(int(m), int(n), int(k), dtype, layout), {}
-        for row in rows.itertuples():
-            template = get_template(row.template)
-            params = template.space.complete(json.loads(row.params))
-            if params is not None:
-                key = (row.template, json.dumps(params, sort_keys=True))
-                measured[key] = max(measured.get(key, 0.0), row.speedup_offline)
+    for problem, measured in measured_configurations(df, "NVIDIA H200").items():
         if len(measured) < 10:
             continue
         ranked = sorted(measured, key=lambda key: predict_us(get_template(key[0]), json.loads(key[1]), problem, H200))
