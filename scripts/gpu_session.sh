@@ -60,7 +60,7 @@ for stage in "$@"; do
     precompile)
       for dl in "fp16 nn" "bf16 nt"; do
         set -- $dl
-        grids | tac | while read -r line; do
+        grids | while read -r line; do
           cudal2 compile --template sm90_cutlass $(params "$line") --dtype "$1" --layout "$2" \
             --arch sm_90a --json
         done
