@@ -9,8 +9,10 @@ import json
 import os
 import re
 import shutil
+import signal
 import subprocess
 import tempfile
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
@@ -145,6 +147,17 @@ def default_cache_dir() -> Path:
     return Path(base) / "cudal2"
 
 
+def _kill_group(proc: subprocess.Popen) -> None:
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except ProcessLookupError:  # already gone
+        pass
+
+
+class Cancelled(Cudal2Error):
+    """A compile stopped by Compiler.cancel(); nothing is cached for it."""
+
+
 class Compiler:
     """Compiles sources to libraries under `cache_dir/kernels/<key>/`, each written once.
 
@@ -159,6 +172,39 @@ class Compiler:
         self.root = (cache_dir or default_cache_dir()) / "kernels"
         self.jobs = jobs or os.cpu_count() or 1
         self.timeout = timeout
+        self._lock = threading.Lock()
+        self._running: set[subprocess.Popen] = set()
+        self._generation = 0  # compiles started before the latest cancel() belong to older ones
+
+    def cancel(self) -> None:
+        """Stops the compiles in progress and those still queued (they raise Cancelled and
+        cache nothing); compiles asked for afterwards run normally."""
+        with self._lock:
+            self._generation += 1
+            for proc in self._running:
+                _kill_group(proc)
+
+    def _run_nvcc(self, cmd: list[str], cwd: Path, generation: int) -> tuple[int, str]:
+        """nvcc's exit code and output; Cancelled if cancel() came since `generation`."""
+        with self._lock:
+            if generation != self._generation:
+                raise Cancelled("compile cancelled")
+            # Its own process group: cancelling or a timeout kills nvcc's cicc and ptxas too.
+            proc = subprocess.Popen(cmd, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                    start_new_session=True)
+            self._running.add(proc)
+        try:
+            out, _ = proc.communicate(timeout=self.timeout)
+        except subprocess.TimeoutExpired:
+            _kill_group(proc)
+            proc.communicate()
+            raise
+        finally:
+            with self._lock:
+                self._running.discard(proc)
+        if generation != self._generation:
+            raise Cancelled("compile cancelled")
+        return proc.returncode, out
 
     def entry(self, key: str) -> Path:
         return self.root / key[:2] / key
@@ -174,8 +220,10 @@ class Compiler:
             build.library = self.entry(key) / LIBRARY
         return build
 
-    def compile(self, source: str) -> Build:
-        """One source to a library; a compile error or timeout is a Build, not an exception."""
+    def compile(self, source: str, generation: int | None = None) -> Build:
+        """One source to a library; a compile error or timeout is a Build, not an exception
+        (cancel() raises Cancelled in the compiles it stops)."""
+        generation = self._generation if generation is None else generation
         if (hit := self.lookup(source)) is not None:
             return hit
         key = cache_key(source, self.arch)
@@ -185,14 +233,16 @@ class Compiler:
         cmd = [find_nvcc(), *flags(self.arch), "kernel.cu", "-o", LIBRARY]
         start = time.monotonic()
         try:
-            proc = subprocess.run(cmd, cwd=work, capture_output=True, text=True, timeout=self.timeout)
+            returncode, log = self._run_nvcc(cmd, work, generation)
         except subprocess.TimeoutExpired:
             shutil.rmtree(work, ignore_errors=True)
             return Build(key, "timeout", None, f"nvcc exceeded {self.timeout:.0f} s", self.timeout)
+        except Cancelled:
+            shutil.rmtree(work, ignore_errors=True)
+            raise
         seconds = time.monotonic() - start
-        log = proc.stdout + proc.stderr
-        build = Build(key, "ok" if proc.returncode == 0 else "compile_error", None, log, seconds,
-                      **parse_ptxas(log) if proc.returncode == 0 else {})
+        build = Build(key, "ok" if returncode == 0 else "compile_error", None, log, seconds,
+                      **parse_ptxas(log) if returncode == 0 else {})
         if build.status == "ok":
             build.exports, build.imports = library_symbols(work / LIBRARY)
             if "cudal2_gemm" not in build.exports:
@@ -217,6 +267,7 @@ class Compiler:
     def compile_all(self, sources: list[str]) -> list[Build]:
         """Many sources in parallel (one nvcc per job slot); identical sources compile once."""
         unique = list(dict.fromkeys(sources))
+        generation = self._generation
         with ThreadPoolExecutor(max_workers=max(1, min(self.jobs, len(unique)))) as pool:
-            builds = dict(zip(unique, pool.map(self.compile, unique)))
+            builds = dict(zip(unique, pool.map(lambda source: self.compile(source, generation), unique)))
         return [builds[s] for s in sources]

@@ -123,7 +123,7 @@ def optimize(ctx: Context, proposer: Proposer, budget: Budget, *, remeasure: boo
     best_speedup = best[metric] if best else 0.0
     stale = 0
     # Not a `with` block: when the time budget ends during a compile the run stops without
-    # waiting for it (the compile still finishes in the background and fills the cache).
+    # waiting for it (the compile is cancelled).
     pool = ThreadPoolExecutor(max_workers=1)
     try:
         pending = pool.submit(prepare, list(visible))
@@ -132,6 +132,7 @@ def optimize(ctx: Context, proposer: Proposer, budget: Budget, *, remeasure: boo
                 built, invalid = pending.result(timeout=time_left())
             except FutureTimeout:
                 out.stopped = "time budget spent (while the next batch compiled)"
+                ctx.compiler.cancel()  # its nvcc processes stop; nothing half-done is cached
                 break
             except Cudal2Error as exc:  # e.g. the LLM endpoint failed for good: keep what we have
                 out.stopped = f"the proposer failed: {exc}"

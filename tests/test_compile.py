@@ -1,6 +1,6 @@
 import pytest
 
-from cudal2_cli.compile import Compiler, cache_key, parse_ptxas
+from cudal2_cli.compile import Cancelled, Compiler, cache_key, parse_ptxas
 from cudal2_cli.problem import Problem
 from cudal2_cli.render import render, template_candidate
 from cudal2_cli.verify import forbidden_imports
@@ -34,6 +34,18 @@ def test_split_k_cluster_variant_compiles_without_new_imports(compiler):
     build = compiler.compile(render(template_candidate("sm80_mma", split, 90), Problem(1, 1, 1, "bf16", "nt")))
     assert build.status == "ok", build.log
     assert build.spill_bytes == 0 and forbidden_imports(build.imports) == []
+
+
+def test_cancel_stops_a_compile_caches_nothing_and_later_compiles_run(tmp_path):
+    import threading
+
+    compiler = Compiler("sm_90a", tmp_path)
+    source = render(template_candidate("sm80_mma", {"stages": "3"}, 90), Problem(1, 1, 1, "fp16", "nn"))
+    threading.Timer(1.0, compiler.cancel).start()  # nvcc needs several seconds for this one
+    with pytest.raises(Cancelled):
+        compiler.compile_all([source])
+    assert compiler.lookup(source) is None and not list((tmp_path / "kernels").glob("*/*"))
+    assert compiler.compile(source).status == "ok"  # the cancel applied to the compiles it stopped
 
 
 def test_compile_error_keeps_the_log_and_is_cached(compiler):
