@@ -242,6 +242,9 @@ def optimize(
     mode: Annotated[str, typer.Option(help="offline | server: the mode that decides the best kernel")] = "offline",
     budget: Annotated[Optional[float], typer.Option(help="seconds of timing per kernel")] = None,
     remeasure: Annotated[bool, typer.Option(help="measure candidates again even if the leaderboard has them")] = False,
+    template: Annotated[Optional[str], typer.Option(
+        "--template", help="search only this template's configurations (with --param: only that grid)")] = None,
+    param: Params = None,
     results: Results = None,
     arch: Arch = None,
     json_out: Json = False,
@@ -264,6 +267,13 @@ def optimize(
             raise Cudal2Error(f"--{name} must be >= 1, got {value}")
     problem = Problem.parse(m, n, k, dtype, layout)
     settings = load_settings({"budget": budget, "results": results, "arch": arch})
+    grid = parse_params(param)
+    if grid and not template:
+        raise Cudal2Error("--param needs --template")
+    if template and proposer == "llm":
+        raise Cudal2Error("--template/--param restrict the search proposer; use --proposer search or hybrid")
+    if template:
+        render_stage.get_template(template)
     llm_settings = None
     if proposer != "search":
         from .llm import load_llm_settings
@@ -281,7 +291,12 @@ def optimize(
             return compiler.lookup(render_stage.render(Candidate.from_template(name, params), target)) is not None
 
         prior = select(recorded, gpu=env["gpu"], status="ok").to_dict("records") if len(recorded) else []
-        search = SearchProposer(env, seed=seed, prior=prior, cached=cached)
+        within = None
+        if template:  # every configuration of the grid (or of the whole space), valid for this GPU
+            within = (render_stage.template_grid(template, grid, env["cc"]) if grid else
+                      [Candidate.from_template(template, p)
+                       for p in render_stage.get_template(template).space.configurations(env["cc"])])
+        search = SearchProposer(env, seed=seed, prior=prior, cached=cached, within=within)
         chosen = search
         if llm_settings is not None:
             from .llm import LLMProposer

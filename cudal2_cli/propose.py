@@ -85,17 +85,28 @@ class SearchProposer:
 
     def __init__(self, device: dict[str, Any], seed: int = 0, templates: dict[str, Template] | None = None,
                  prior: list[dict[str, Any]] | None = None,
-                 cached: Callable[[Problem, str, dict], bool] | None = None):
+                 cached: Callable[[Problem, str, dict], bool] | None = None,
+                 within: list[Candidate] | None = None):
         self.device = device
         self.seed = seed
+        self.within = {(c.template, c.params_json) for c in within} if within else None
         self.templates = templates or load_templates()
+        if within:  # search only these configurations (for example a --param grid)
+            self.templates = {c.template: self.templates[c.template] for c in within}
         self.prior = prior or []
         self.cached = cached
         self._ranking: dict[Problem, list[tuple[float, str, dict]]] = {}
 
     def ranking(self, problem: Problem) -> list[tuple[float, str, dict]]:
         if problem not in self._ranking:
-            ranked = rank(self.templates, problem, self.device)
+            if self.within is None:
+                ranked = rank(self.templates, problem, self.device)
+            else:
+                configs = [(name, json.loads(text)) for name, text in sorted(self.within)
+                           if self.templates[name].supports(problem, self.device["cc"])]
+                ranked = [(predict_us(self.templates[name], params, problem, self.device), name, params)
+                          for name, params in configs]
+                ranked = [entry for entry in ranked if math.isfinite(entry[0])]
             rng = random.Random(self.seed)
             keyed = [(t, rng.random(), name, params) for t, name, params in ranked]
             keyed.sort(key=lambda e: (e[0], e[1]))
@@ -142,7 +153,7 @@ class SearchProposer:
         def take(name: str, params: dict[str, Any]) -> None:
             candidate = Candidate.from_template(name, params)
             key = (name, candidate.params_json)
-            if key not in seen and len(picks) < n:
+            if key not in seen and len(picks) < n and (self.within is None or key in self.within):
                 seen.add(key)
                 picks.append(candidate)
 

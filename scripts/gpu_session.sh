@@ -10,6 +10,8 @@
 #   scripts/gpu_session.sh sweep90-4096 -> those grids at 4096^3 fp16 nn only
 #   scripts/gpu_session.sh small   -> sm80_mma small tiles and split-K on small and skinny shapes
 #   scripts/gpu_session.sh devset-grids -> scripts/devset_grids.txt: dev-set rows over fixed grids
+#   scripts/gpu_session.sh search-vs-exhaustive -> scripts/search_target.txt: a grid measured
+#     whole, then searched by `cudal2 optimize --template --param` (one JSON line per call)
 #   scripts/gpu_session.sh devset-optimize -> cudal2 optimize (search) on every row of DEVSET
 #     (DEVSET_ROWS='1,8p;19p' picks data rows as a sed -n script; OPTIMIZE="..." sets its options)
 # Logs, JSON and a tarball of the results directory go to ${OUT:-gpu-run}/.
@@ -42,6 +44,14 @@ for stage in "$@"; do
           --results "$results" --template "$template" $(params "$grid") --json \
           | python3 -c "import json,sys; print(json.dumps(json.load(sys.stdin)))"
       done 2>&1 | tee "$out/devset-grids.jsonl" ;;
+    search-vs-exhaustive)
+      grep -v '^#' scripts/search_target.txt | while read -r m n k dtype layout template grid; do
+        shape=(--m "$m" --n "$n" --k "$k" --dtype "$dtype" --layout "$layout" --template "$template" $(params "$grid"))
+        cudal2 bench "${shape[@]}" --budget 0.2 --results "$results/exhaustive" --json \
+          | python3 -c "import json,sys; print(json.dumps(json.load(sys.stdin)))"
+        cudal2 optimize "${shape[@]}" --budget 0.2 --iterations 50 --batch 8 --patience 3 --time-budget 120 \
+          --results "$results/search" --json | python3 -c "import json,sys; print(json.dumps(json.load(sys.stdin)))"
+      done 2>&1 | tee "$out/search-vs-exhaustive.jsonl" ;;
     devset-optimize)  # the search proposer on every row (warm-started from the leaderboard)
       tail -n +2 "${DEVSET:-../shared/shapes/dev.csv}" | sed -n "${DEVSET_ROWS:-p}" \
         | while IFS=, read -r m n k dtype layout group; do

@@ -139,6 +139,17 @@ def test_nearest_winners_still_come_when_this_problem_has_only_a_weak_history():
     assert sum(a != b for a, b in zip(default.params, picks[1].params)) == 1
 
 
+def test_search_stays_within_a_given_grid(tmp_path, compiler):
+    from cudal2_cli.render import template_grid
+
+    grid = template_grid("sm80_mma", {"block_m": ["64", "128"], "stages": ["3", "4"]}, 90)
+    search = SearchProposer(H200, within=grid)
+    out = optimize(context(tmp_path, compiler, StandInWorker()), search, Budget(iterations=5, batch=3, patience=None))
+    measured = {r["kernel"] for r in out.rows if r["kernel"] != "cuBLAS"}
+    assert measured == {str(c) for c in grid}  # all four, nothing outside, then nothing new
+    assert out.stopped == "the proposer has nothing new"
+
+
 def test_search_prefers_configurations_already_compiled():
     p = Problem(512, 512, 512)
     plain = sm80_search().propose(p, [], 4)
@@ -221,6 +232,9 @@ def test_hybrid_splits_the_batch_and_search_fills_the_rest():
     (("--proposer", "magic"), "unknown proposer 'magic'"),
     (("--mode", "both"), "unknown mode 'both'"),
     (("--iterations", "0"), "--iterations must be >= 1"),
+    (("--param", "stages=3"), "--param needs --template"),
+    (("--template", "sm80_mma", "--proposer", "llm"), "restrict the search proposer"),
+    (("--template", "nope"), "unknown template 'nope'"),
 ])
 def test_optimize_rejects_bad_options_in_one_line(args, text, tmp_path):
     result = CliRunner().invoke(app, ["optimize", "--m", "64", "--n", "64", "--k", "64", "--results", str(tmp_path), *args])
