@@ -176,6 +176,12 @@ class Compiler:
         self._running: set[subprocess.Popen] = set()
         self._generation = 0  # compiles started before the latest cancel() belong to older ones
 
+    @property
+    def generation(self) -> int:
+        """Compiles asked for with this generation are stopped by the next cancel(), even
+        if they have not started yet when it comes."""
+        return self._generation
+
     def cancel(self) -> None:
         """Stops the compiles in progress and those still queued (they raise Cancelled and
         cache nothing); compiles asked for afterwards run normally."""
@@ -264,10 +270,10 @@ class Compiler:
         except OSError:  # another process published the same key first
             shutil.rmtree(work, ignore_errors=True)
 
-    def compile_all(self, sources: list[str]) -> list[Build]:
+    def compile_all(self, sources: list[str], generation: int | None = None) -> list[Build]:
         """Many sources in parallel (one nvcc per job slot); identical sources compile once."""
         unique = list(dict.fromkeys(sources))
-        generation = self._generation
+        generation = self._generation if generation is None else generation
         with ThreadPoolExecutor(max_workers=max(1, min(self.jobs, len(unique)))) as pool:
             builds = dict(zip(unique, pool.map(lambda source: self.compile(source, generation), unique)))
         return [builds[s] for s in sources]

@@ -94,7 +94,7 @@ def optimize(ctx: Context, proposer: Proposer, budget: Budget, *, remeasure: boo
     def time_left() -> float | None:
         return None if budget.time_s is None else max(0.0, budget.time_s - (time.monotonic() - start))
 
-    def prepare(snapshot: list[dict[str, Any]]) -> tuple[list[Built], list[dict[str, Any]]]:
+    def prepare(snapshot: list[dict[str, Any]], generation: int) -> tuple[list[Built], list[dict[str, Any]]]:
         """Propose and compile one batch (runs beside the GPU work of the previous one)."""
         proposals = proposer.propose(ctx.problem, snapshot, budget.batch)
         fresh, invalid = [], []
@@ -114,7 +114,7 @@ def optimize(ctx: Context, proposer: Proposer, budget: Budget, *, remeasure: boo
             fresh.append(proposal)
             in_flight.append({"kernel": str(proposal), "template": proposal.template, "status": "pending",
                               "params": proposal.params_json if proposal.template else None})
-        built = build_all(ctx, fresh)
+        built = build_all(ctx, fresh, generation)
         out.compile_s += sum(b.build.seconds for b in built if not b.build.cached)
         return built, invalid
 
@@ -126,7 +126,7 @@ def optimize(ctx: Context, proposer: Proposer, budget: Budget, *, remeasure: boo
     # waiting for it (the compile is cancelled).
     pool = ThreadPoolExecutor(max_workers=1)
     try:
-        pending = pool.submit(prepare, list(visible))
+        pending = pool.submit(prepare, list(visible), ctx.compiler.generation)
         for iteration in range(budget.iterations):
             try:
                 built, invalid = pending.result(timeout=time_left())
@@ -141,7 +141,7 @@ def optimize(ctx: Context, proposer: Proposer, budget: Budget, *, remeasure: boo
             _extend(history, visible, invalid)
             last = iteration + 1 >= budget.iterations or over_time()
             if not last:  # the next batch compiles while this one is on the GPU
-                pending = pool.submit(prepare, list(visible) + list(in_flight))
+                pending = pool.submit(prepare, list(visible) + list(in_flight), ctx.compiler.generation)
             emit("batch", {"iteration": iteration + 1, "candidates": len(built), "invalid": len(invalid)})
             if not built and not invalid:
                 out.stopped = "the proposer has nothing new"

@@ -113,10 +113,11 @@ class Built:
     build: Build
 
 
-def build_all(ctx: Context, candidates: list[Candidate]) -> list[Built]:
-    """Renders and compiles every candidate, in parallel (no GPU needed)."""
+def build_all(ctx: Context, candidates: list[Candidate], generation: int | None = None) -> list[Built]:
+    """Renders and compiles every candidate, in parallel (no GPU needed); `generation`:
+    see Compiler.generation."""
     sources = [render(c, ctx.problem) for c in candidates]
-    return [Built(c, s, b) for c, s, b in zip(candidates, sources, ctx.compiler.compile_all(sources))]
+    return [Built(c, s, b) for c, s, b in zip(candidates, sources, ctx.compiler.compile_all(sources, generation))]
 
 
 def measure(ctx: Context, built: list[Built]) -> Iterator[dict[str, Any]]:

@@ -183,12 +183,21 @@ def test_time_budget_does_not_wait_for_a_slow_compile(tmp_path):
 
     from cudal2_cli.compile import Compiler
 
+    import threading
+
     compiler = Compiler("sm_90a", tmp_path / "cache")  # empty: the CUTLASS kernel takes minutes
     search = SearchProposer(H200, templates={"sm90_cutlass": get_template("sm90_cutlass")})
+    before = set(threading.enumerate())
     began = clock.monotonic()
-    out = optimize(context(tmp_path, compiler, StandInWorker()), search, Budget(iterations=3, batch=1, time_s=2.0))
+    # The budget ends while the first batch is still being proposed (ranking the whole space
+    # takes seconds): the compile it then starts must be stopped too.
+    out = optimize(context(tmp_path, compiler, StandInWorker()), search, Budget(iterations=3, batch=1, time_s=1.0))
     assert out.stopped == "time budget spent (while the next batch compiled)"
     assert clock.monotonic() - began < 20
+    for thread in set(threading.enumerate()) - before:  # nothing keeps compiling behind the run
+        thread.join(timeout=30)
+        assert not thread.is_alive()
+    assert clock.monotonic() - began < 40
     assert not list((tmp_path / "cache" / "kernels").glob("*/*"))  # the stopped compile left nothing
 
 
