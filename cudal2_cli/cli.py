@@ -389,6 +389,8 @@ def leaderboard_cmd(
     shapes: Annotated[Optional[Path], typer.Option(
         help="a shape set (CSV with m,n,k,dtype,layout columns): its rows only, in its order, "
              "with the geometric mean and minimum of their best speedups")] = None,
+    export: Annotated[bool, typer.Option(
+        "--export", help="also write each best kernel shown to results/best/<gpu>/<dtype>_<layout>/<m>_<n>_<k>.cu")] = False,
     results: Results = None,
 ) -> None:
     """Show the best verified kernel per problem with its speedup over cuBLAS.
@@ -401,13 +403,18 @@ def leaderboard_cmd(
         raise Cudal2Error(f"unknown status {status!r}; choose one of {', '.join(STATUSES)}")
     if top < 1:
         raise Cudal2Error(f"--top must be >= 1, got {top}")
+    if export and status is not None:
+        raise Cudal2Error("--export writes the best kernels; it does not combine with --status")
     settings = load_settings({"results": results})
-    df = select(Leaderboard(settings.results).read(), m=m, n=n, k=k, gpu=gpu, dtype=dtype, layout=layout)
+    board = Leaderboard(settings.results)
+    df = select(board.read(), m=m, n=n, k=k, gpu=gpu, dtype=dtype, layout=layout)
     keys = ["gpu", "m", "n", "k", "dtype", "layout"]
     if shapes is not None:
         if status is not None:
             raise Cudal2Error("--shapes reports the best kernels; it does not combine with --status")
-        report_shapes(df, read_shapes(shapes), format)
+        shown = report_shapes(df, read_shapes(shapes), format)
+        if export:
+            export_rows(board, settings.results, shown)
         return
     if status is None:
         df = best(df, top)
@@ -416,8 +423,18 @@ def leaderboard_cmd(
     else:
         df = df[df["status"] == status].sort_values(keys + ["time"]).groupby(keys, dropna=False).head(top)
         columns = keys + ["kernel", "status", "error", "time"]
+    if export:
+        export_rows(board, settings.results, df)
     df = df.sort_values(keys)[columns]
     emit_frame(df, format)
+
+
+def export_rows(board: Leaderboard, results: Path, rows: pd.DataFrame) -> None:
+    """Each best-kernel row as a self-contained .cu file (stderr says where)."""
+    from .optimize import export_best
+
+    paths = [export_best(board, results, row) for row in rows.to_dict("records") if row.get("source_hash")]
+    typer.echo(f"exported {len(paths)} kernel(s) to {results / 'best'}", err=True)
 
 
 def read_shapes(path: Path) -> list[Problem]:
@@ -432,10 +449,12 @@ def read_shapes(path: Path) -> list[Problem]:
     return [Problem.parse(r.m, r.n, r.k, r.dtype, r.layout) for r in table.itertuples()]
 
 
-def report_shapes(df: pd.DataFrame, problems: list[Problem], format: str) -> None:
+def report_shapes(df: pd.DataFrame, problems: list[Problem], format: str) -> pd.DataFrame:
     """The best kernel of every listed problem (per GPU), then the geometric mean and the
-    minimum of their speedups; a problem with no verified kernel is listed as missing."""
+    minimum of their speedups; a problem with no verified kernel is listed as missing.
+    Returns the winners' full rows."""
     winners = best(df, 1)
+    chosen = []
     columns = ["gpu", "m", "n", "k", "dtype", "layout", "kernel", "offline_us", "cublas_offline_us",
                "speedup_offline", "tflops"]
     rows = []
@@ -445,6 +464,7 @@ def report_shapes(df: pd.DataFrame, problems: list[Problem], format: str) -> Non
             rows.append({"gpu": None, "m": p.m, "n": p.n, "k": p.k, "dtype": p.dtype, "layout": p.layout,
                          "kernel": "(none measured)"})
         rows += found[columns].to_dict("records")
+        chosen.append(found)
     frame = pd.DataFrame(rows, columns=columns)
     speedups = frame["speedup_offline"].dropna()
     summary = {
@@ -454,11 +474,12 @@ def report_shapes(df: pd.DataFrame, problems: list[Problem], format: str) -> Non
     }
     if format == "json":
         print(json.dumps({"rows": jsonable(frame.to_dict("records")), "summary": summary}, indent=1))
-        return
-    emit_frame(frame, format)
-    if format != "csv":
-        print(f"{summary['measured']} of {summary['shapes']} shapes measured; speedup over cuBLAS: geometric mean "
-              f"{fmt(summary['geomean_speedup'], 3)}, minimum {fmt(summary['min_speedup'], 3)}")
+    else:
+        emit_frame(frame, format)
+        if format != "csv":
+            print(f"{summary['measured']} of {summary['shapes']} shapes measured; speedup over cuBLAS: geometric "
+                  f"mean {fmt(summary['geomean_speedup'], 3)}, minimum {fmt(summary['min_speedup'], 3)}")
+    return pd.concat(chosen) if chosen else winners.iloc[0:0]
 
 
 def emit_frame(df: pd.DataFrame, format: str) -> None:

@@ -17,8 +17,9 @@ from typing import Any
 
 from .candidate import Candidate
 from .errors import Cudal2Error
-from .leaderboard import BASELINES, select, source_hash
+from .leaderboard import BASELINES, Leaderboard, select, source_hash
 from .pipeline import Built, Context, build_all, invalid_row, measure, measure_baselines
+from .problem import Problem
 from .propose import Proposer
 from .render import render
 
@@ -179,7 +180,7 @@ def optimize(ctx: Context, proposer: Proposer, budget: Budget, *, remeasure: boo
     out.wall_s = time.monotonic() - start
     out.best = best_row(history, ctx.mode)
     if out.best is not None:
-        out.exported = export_best(ctx, out.best)
+        out.exported = export_best(ctx.leaderboard, ctx.settings.results, out.best, ctx.mode)
     return out
 
 
@@ -207,18 +208,19 @@ def _slug(text: str) -> str:
     return re.sub(r"[^A-Za-z0-9._-]+", "_", text).strip("_") or "gpu"
 
 
-def export_best(ctx: Context, row: dict[str, Any]) -> Path:
-    """The best kernel as a self-contained .cu file under results/best/, with a header
-    saying what it is and how it measured."""
-    p = ctx.problem
-    path = ctx.settings.results / "best" / _slug(row.get("gpu") or "gpu") / f"{p.dtype}_{p.layout}" / f"{p.m}_{p.n}_{p.k}.cu"
-    origin = (f"template {row['template']} {row['params']}" if row.get("template")
+def export_best(leaderboard: Leaderboard, results: Path, row: dict[str, Any], mode: str = "offline") -> Path:
+    """A measured kernel (a leaderboard row) as a self-contained .cu file under
+    results/best/<gpu>/<dtype>_<layout>/<m>_<n>_<k>.cu, with a header saying what it is and
+    how it measured."""
+    p = Problem(int(row["m"]), int(row["n"]), int(row["k"]), row["dtype"], row["layout"])
+    path = results / "best" / _slug(row.get("gpu") or "gpu") / f"{p.dtype}_{p.layout}" / f"{p.m}_{p.n}_{p.k}.cu"
+    origin = (f"template {row['template']} {row['params']}" if isinstance(row.get("template"), str)
               else f"proposer {row.get('proposer')} model {row.get('model')}")
     header = "\n".join([
         f"// cudal2 best kernel for C[{p.m},{p.n}] = A[{p.m},{p.k}] @ {'B' if p.layout == 'nn' else 'W^T'} "
         f"({p.dtype}, layout {p.layout}, fp32 accumulation)",
-        f"// speedup {row[f'speedup_{ctx.mode}']:.3f}x over cuBLAS ({row[f'cublas_{ctx.mode}_us']:.2f} us -> "
-        f"{row[f'{ctx.mode}_us']:.2f} us, {ctx.mode} device time) on {row.get('gpu')} ({row.get('arch')})",
+        f"// speedup {row[f'speedup_{mode}']:.3f}x over cuBLAS ({row[f'cublas_{mode}_us']:.2f} us -> "
+        f"{row[f'{mode}_us']:.2f} us, {mode} device time) on {row.get('gpu')} ({row.get('arch')})",
         f"// measured {row['time'] if 'time' in row else datetime.now(timezone.utc)}; {origin}",
         f"// build: nvcc -O3 -std=c++17 -shared -Xcompiler -fPIC -gencode=arch=compute_{row.get('arch', 'sm_90a').removeprefix('sm_')},"
         f"code={row.get('arch')} -I<cutlass>/include -I<cutlass>/tools/util/include kernel.cu -o kernel.so",
@@ -226,6 +228,6 @@ def export_best(ctx: Context, row: dict[str, Any]) -> Path:
     ])
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(".tmp")
-    tmp.write_text(header + ctx.leaderboard.source(row["source_hash"]))
+    tmp.write_text(header + leaderboard.source(row["source_hash"]))
     tmp.replace(path)
     return path

@@ -137,6 +137,20 @@ def test_leaderboard_reports_a_shape_set_with_its_geometric_mean(results, tmp_pa
     one_line_error(run("leaderboard", "--results", results, "--shapes", tmp_path / "nope.csv"), "cannot read shape set")
 
 
+def test_leaderboard_exports_the_best_kernels_as_self_contained_files(tmp_path):
+    lb = Leaderboard(tmp_path)
+    source = 'extern "C" int cudal2_gemm() { return 0; }\n'
+    common = {"cublas_offline_us": 180.0, "arch": "sm_90a", "proposer": "user"}
+    lb.append([row("fast.cu", 1.2, source_hash=lb.store_source(source), **common),
+               row("slow.cu", 0.8, source_hash=lb.store_source(source + "// slower\n"), **common)])
+    result = run("leaderboard", "--results", tmp_path, "--export", "--format", "csv")
+    assert result.exit_code == 0 and "exported 1 kernel(s)" in result.stderr
+    assert result.stdout.splitlines()[1].startswith("NVIDIA H200,4096,4096,4096,fp16,nn,fast.cu")
+    text = (tmp_path / "best" / "NVIDIA_H200" / "fp16_nn" / "4096_4096_4096.cu").read_text()
+    assert "speedup 1.200x over cuBLAS (180.00 us -> 150.00 us" in text and text.endswith(source)
+    one_line_error(run("leaderboard", "--results", tmp_path, "--export", "--status", "ok"), "does not combine")
+
+
 def test_leaderboard_filters_top_and_status(results):
     top2 = json.loads(run("leaderboard", "--results", results, "--m", 4096, "--top", 2, "--format", "json").output)
     assert [r["kernel"] for r in top2] == ["sm80_mma(b)", "sm80_mma(a)"]
