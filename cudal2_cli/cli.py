@@ -125,16 +125,14 @@ def known_candidates(problem: Problem, leaderboard: Leaderboard, rows: pd.DataFr
                    layout=problem.layout, status="ok")
     known = known[~known["kernel"].isin(BASELINES)].drop_duplicates("source_hash")
     found = []
-    templates = render_stage.load_templates()
-    for row in known.itertuples():
+    for row in known.to_dict("records"):
         # A template row re-renders with today's template (parameters added since take their
         # defaults); one whose parameters left the space is measured from its stored source.
-        params = templates[row.template].space.complete(json.loads(row.params)) if row.template in templates else None
-        if params is not None:
-            found.append(Candidate.from_template(row.template, params))
+        if (params := render_stage.recorded_params(row)) is not None:
+            found.append(Candidate.from_template(row["template"], params))
         else:
-            found.append(Candidate.from_source(leaderboard.source(row.source_hash), label=row.kernel))
-    for name, tmpl in templates.items():
+            found.append(Candidate.from_source(leaderboard.source(row["source_hash"]), label=row["kernel"]))
+    for name, tmpl in render_stage.load_templates().items():
         if tmpl.supports(problem, cc):
             found.append(render_stage.template_candidate(name, {}, cc))
     return list(dict.fromkeys(found))

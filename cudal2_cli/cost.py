@@ -15,7 +15,7 @@ from typing import Any
 import pandas as pd
 
 from .problem import Problem
-from .render import Template, load_templates
+from .render import Template, load_templates, recorded_params
 
 LAUNCH_US = 2.0  # a launch and its tail, measured: cuBLAS 64^3 takes ~2-3 us back to back
 OVERLAP_LOSS = 0.25  # share of the shorter of compute and memory time not hidden behind the other
@@ -84,11 +84,10 @@ def measured_configurations(df: pd.DataFrame, gpu: str) -> dict[Problem, dict[tu
     ok = df[(df["status"] == "ok") & df["template"].isin(list(templates)) & (df["gpu"] == gpu)
             & df["speedup_offline"].notna()]
     found: dict[Problem, dict[tuple[str, str], float]] = {}
-    for row in ok.itertuples():
-        params = templates[row.template].space.complete(json.loads(row.params))
-        if params is not None:
-            problem = Problem(int(row.m), int(row.n), int(row.k), row.dtype, row.layout)
-            key = (row.template, json.dumps(params, sort_keys=True))
+    for row in ok.to_dict("records"):
+        if (params := recorded_params(row, templates)) is not None:
+            problem = Problem(int(row["m"]), int(row["n"]), int(row["k"]), row["dtype"], row["layout"])
+            key = (row["template"], json.dumps(params, sort_keys=True))
             speedups = found.setdefault(problem, {})
-            speedups[key] = max(speedups.get(key, 0.0), float(row.speedup_offline))
+            speedups[key] = max(speedups.get(key, 0.0), float(row["speedup_offline"]))
     return found

@@ -19,7 +19,7 @@ from typing import Any, Protocol
 from .candidate import Candidate
 from .cost import predict_us, rank
 from .problem import Problem
-from .render import Template, load_templates
+from .render import Template, load_templates, recorded_params
 
 
 class Proposer(Protocol):
@@ -40,15 +40,9 @@ def problem_distance(a: Problem, b: Problem) -> float:
     return logs + (4.0 if (a.dtype, a.layout) != (b.dtype, b.layout) else 0.0)
 
 
-def row_params(templates: dict[str, Template], row: dict[str, Any]) -> dict[str, Any] | None:
-    """A leaderboard row's template parameters as a configuration of today's space, or None."""
-    template = templates.get(row.get("template") or "")
-    return template.space.complete(json.loads(row["params"])) if template and row.get("params") else None
-
-
-def nearest_configs(problem: Problem, rows: list[dict[str, Any]], per_problem: int = 3) -> list[tuple[str, dict]]:
-    """The template configurations that measured fastest on other problems: the best
-    `per_problem` of each problem (by offline speedup), nearest problems first."""
+def nearest_winners(problem: Problem, rows: list[dict[str, Any]], per_problem: int = 3) -> list[dict[str, Any]]:
+    """The rows of the template configurations that measured fastest on other problems:
+    the best `per_problem` of each problem (by offline speedup), nearest problems first."""
     by_problem: dict[Problem, list[dict[str, Any]]] = {}
     for row in rows:
         speedup = row.get("speedup_offline")
@@ -57,10 +51,9 @@ def nearest_configs(problem: Problem, rows: list[dict[str, Any]], per_problem: i
             other = Problem(int(row["m"]), int(row["n"]), int(row["k"]), row["dtype"], row["layout"])
             if other != problem:
                 by_problem.setdefault(other, []).append(row)
-    found: list[tuple[str, dict]] = []
+    found: list[dict[str, Any]] = []
     for other in sorted(by_problem, key=lambda o: (problem_distance(problem, o), o.m, o.n, o.k, o.dtype, o.layout)):
-        best = sorted(by_problem[other], key=lambda r: -r["speedup_offline"])[:per_problem]
-        found += [(r["template"], r["params"]) for r in best]
+        found += sorted(by_problem[other], key=lambda r: -r["speedup_offline"])[:per_problem]
     return found
 
 
@@ -119,7 +112,7 @@ class SearchProposer:
         for row in history:
             if row.get("status") == "ok" and row.get("template") in self.templates and row.get("offline_us"):
                 template = self.templates[row["template"]]
-                params = row_params(self.templates, row)
+                params = recorded_params(row, self.templates)
                 predicted = predict_us(template, params, problem, self.device) if params else math.inf
                 if math.isfinite(predicted):
                     ratios.setdefault(row["template"], []).append(row["offline_us"] / predicted)
@@ -164,18 +157,16 @@ class SearchProposer:
         )
         near = []
         for row in measured[:3]:
-            if (params := row_params(self.templates, row)) is not None:
+            if (params := recorded_params(row, self.templates)) is not None:
                 near += [(score(row["template"], moved), row["template"], moved)
                          for moved in self._neighbours(row["template"], params)]
         near.sort(key=lambda e: e[0])
         warm = []  # what won on the nearest problems, in that order, if it can run this one
-        for name, recorded in nearest_configs(problem, self.prior):
-            template = self.templates.get(name)
-            if template is None or not template.supports(problem, self.device["cc"]):
-                continue
-            params = template.space.complete(json.loads(recorded))
-            if params is not None and not template.space.violations(params, self.device["cc"]):
-                warm.append((score(name, params), name, params))
+        for row in nearest_winners(problem, self.prior):
+            params, template = recorded_params(row, self.templates), self.templates.get(row["template"])
+            if (params is not None and template.supports(problem, self.device["cc"])
+                    and not template.space.violations(params, self.device["cc"])):
+                warm.append((score(row["template"], params), row["template"], params))
         # Half the batch: warm-start picks and neighbours, alternating (warm first).
         alternating = [e for pair in itertools.zip_longest(warm, near) for e in pair if e is not None]
         for t, name, params in alternating:

@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import functools
 import itertools
+import json
 import tomllib
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -239,6 +240,17 @@ def template_grid(name: str, grid: dict[str, list[str]], cc: int) -> list[Candid
     if not found:
         raise Cudal2Error(f"no valid configuration in that grid; for example: {last_error}")
     return list(dict.fromkeys(found))
+
+
+def recorded_params(row: Mapping[str, Any], templates: dict[str, Template] | None = None) -> dict[str, Any] | None:
+    """A leaderboard row's template parameters as a configuration of today's space (see
+    Space.complete), or None: a free-form kernel, a template no longer known, or parameters
+    that left the space."""
+    templates = load_templates() if templates is None else templates
+    name, params = row.get("template"), row.get("params")
+    if not isinstance(name, str) or name not in templates or not isinstance(params, str):
+        return None
+    return templates[name].space.complete(json.loads(params))
 
 
 def render(candidate: Candidate, problem: Problem) -> str:

@@ -24,6 +24,8 @@ cudal2() { python3 -m cudal2_cli "$@"; }
 # One line of scripts/sm90_grids.txt as --param arguments.
 grids() { grep -v '^#' scripts/sm90_grids.txt | grep -v '^ *$'; }
 params() { for p in $1; do printf -- '--param %s ' "$p"; done; }
+# A command's --json document as one line (a JSON-lines log).
+oneline() { python3 -c "import json,sys; print(json.dumps(json.load(sys.stdin)))"; }
 sm90_shapes=("4096 4096 4096 fp16 nn" "8192 8192 8192 fp16 nn" "4096 4096 4096 bf16 nt")
 
 for stage in "$@"; do
@@ -36,28 +38,28 @@ for stage in "$@"; do
     devset)  # every row of the shared dev shape set, default configurations: one JSON line per row
       tail -n +2 "${DEVSET:-../shared/shapes/dev.csv}" | while IFS=, read -r m n k dtype layout group; do
         cudal2 bench --m "$m" --n "$n" --k "$k" --dtype "$dtype" --layout "$layout" --budget 0.3 \
-          --results "$results" --json | python3 -c "import json,sys; print(json.dumps(json.load(sys.stdin)))"
+          --results "$results" --json | oneline
       done 2>&1 | tee "$out/devset.jsonl" ;;
     devset-grids)  # m n k dtype layout template grid...; one JSON document per line
       grep -v '^#' scripts/devset_grids.txt | while read -r m n k dtype layout template grid; do
         cudal2 bench --m "$m" --n "$n" --k "$k" --dtype "$dtype" --layout "$layout" --budget 0.2 \
           --results "$results" --template "$template" $(params "$grid") --json \
-          | python3 -c "import json,sys; print(json.dumps(json.load(sys.stdin)))"
+          | oneline
       done 2>&1 | tee "$out/devset-grids.jsonl" ;;
     search-vs-exhaustive)
       grep -v '^#' scripts/search_target.txt | while read -r m n k dtype layout template grid; do
         shape=(--m "$m" --n "$n" --k "$k" --dtype "$dtype" --layout "$layout" --template "$template" $(params "$grid"))
         cudal2 bench "${shape[@]}" --budget 0.2 --results "$results/exhaustive" --json \
-          | python3 -c "import json,sys; print(json.dumps(json.load(sys.stdin)))"
+          | oneline
         cudal2 optimize "${shape[@]}" --budget 0.2 --iterations 50 --batch 8 --patience 3 --time-budget 120 \
-          --results "$results/search" --json | python3 -c "import json,sys; print(json.dumps(json.load(sys.stdin)))"
+          --results "$results/search" --json | oneline
       done 2>&1 | tee "$out/search-vs-exhaustive.jsonl" ;;
     devset-optimize)  # the search proposer on every row (warm-started from the leaderboard)
       tail -n +2 "${DEVSET:-../shared/shapes/dev.csv}" | sed -n "${DEVSET_ROWS:-p}" \
         | while IFS=, read -r m n k dtype layout group; do
         cudal2 optimize --m "$m" --n "$n" --k "$k" --dtype "$dtype" --layout "$layout" \
           ${OPTIMIZE:---iterations 2 --batch 8 --patience 1 --budget 0.2} --results "$results" --json \
-          | python3 -c "import json,sys; print(json.dumps(json.load(sys.stdin)))"
+          | oneline
       done 2>&1 | tee -a "$out/devset-optimize.jsonl" ;;
     sweep-occupancy)
       cudal2 bench --m 4096 --n 4096 --k 4096 --results "$results" --budget 0.3 --template sm80_mma \
