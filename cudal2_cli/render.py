@@ -54,6 +54,13 @@ class Param:
     values: tuple[Any, ...]
     default: Any
     help: str
+    # The value that kernels recorded before this parameter existed were built with (when
+    # that is not the default): what a recorded row without it is read as.
+    before: Any = None
+
+    @property
+    def recorded_absent(self) -> Any:
+        return self.default if self.before is None else self.before
 
     def coerce(self, raw: Any) -> Any:
         """A command-line string to the value it names: 'auto' stays text, '4' becomes 4."""
@@ -85,7 +92,7 @@ class Space:
     def load(cls, path: Path) -> Space:
         doc = tomllib.loads(path.read_text())
         params = {
-            name: Param(name, tuple(spec["values"]), spec["default"], spec.get("help", ""))
+            name: Param(name, tuple(spec["values"]), spec["default"], spec.get("help", ""), spec.get("before"))
             for name, spec in doc.get("params", {}).items()
         }
         return cls(
@@ -108,11 +115,11 @@ class Space:
 
     def complete(self, params: dict[str, Any]) -> dict[str, Any] | None:
         """Recorded parameters as a configuration of this space: parameters added since
-        take their defaults (which reproduce the older kernels); None if a parameter or
-        value is no longer in the space."""
+        take the value that reproduces the older kernels (`before`, else the default);
+        None if a parameter or value is no longer in the space."""
         if any(k not in self.params or v not in self.params[k].values for k, v in params.items()):
             return None
-        return {**self.defaults(), **params}
+        return {**{name: p.recorded_absent for name, p in self.params.items()}, **params}
 
     def facts(self, params: dict[str, Any], cc: int) -> dict[str, Any]:
         """Parameters plus derived values and target facts, as constraints see them."""

@@ -30,7 +30,8 @@ SHAPES = sorted({(v, 128, 256) for v in DIMS} | {(128, v, 256) for v in DIMS}
 # The default, plus a configuration exercising the other swizzle branches (64-wide K
 # slices, 32-wide N tiles) and a shallower pipeline; on sm_90+ also split-K clusters: a
 # 16-row tile split 4 ways, and the default split 8 ways (most slices empty when K is small).
-CONFIGS = ({}, {"block_m": "64", "block_n": "32", "block_k": "64", "warps_m": "2", "warps_n": "1", "stages": "3"})
+CONFIGS = ({}, {"block_m": "64", "block_n": "32", "block_k": "64", "warps_m": "2", "warps_n": "1", "stages": "3",
+                "epilogue": "direct"})
 SPLIT_CONFIGS = ({"block_m": "16", "block_n": "64", "warps_m": "1", "warps_n": "2", "split_k": "4"}, {"split_k": "8"})
 
 

@@ -164,6 +164,9 @@ def test_recorded_parameters_complete_with_defaults_of_newer_parameters():
     older = {k: v for k, v in space.defaults().items() if k != "split_k"}  # recorded before split_k existed
     assert space.complete(older) == space.defaults()
     assert space.complete({**older, "retired": 1}) is None and space.complete({"block_m": 100}) is None
+    # Kernels recorded before `epilogue` existed stored C directly, though the default is now smem.
+    before_epilogue = {k: v for k, v in space.defaults().items() if k != "epilogue"}
+    assert space.defaults()["epilogue"] == "smem" and space.complete(before_epilogue)["epilogue"] == "direct"
 
 
 def test_patience_stops_a_run_that_no_longer_improves(tmp_path, compiler):
