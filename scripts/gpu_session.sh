@@ -5,13 +5,21 @@
 #   scripts/gpu_session.sh devset  -> cudal2 bench on every row of shapes/dev.csv (DEVSET=path)
 #   scripts/gpu_session.sh sweep   -> a grid of sm80_mma configurations at 4096^3
 #   scripts/gpu_session.sh sweep-occupancy -> 128x128 tiles at two blocks per SM
+#   scripts/gpu_session.sh ceiling -> what mma.sync can reach here: scripts/mma_peak.cu, then
+#     CUTLASS 2.x's Ampere GEMM (examples/cutlass2_sm80_gemm_fp16_nn.cu, four tilings) beside
+#     the sm80_mma sweep grid at 4096^3, in one bench run
 #   scripts/gpu_session.sh precompile -> compile scripts/sm90_grids.txt for sm_90a (no GPU needed)
 #   scripts/gpu_session.sh sweep90 -> those grids at 4096^3 and 8192^3 fp16 nn, 4096^3 bf16 nt
 #   scripts/gpu_session.sh sweep90-4096 -> those grids at 4096^3 fp16 nn only
+#   scripts/gpu_session.sh sweep90-raster -> lines 3- of sm90_grids.txt (raster order, swizzle,
+#     stream-K) at 4096^3 and 8192^3 fp16 nn
 #   scripts/gpu_session.sh small   -> sm80_mma small tiles and split-K on small and skinny shapes
-#   scripts/gpu_session.sh devset-grids -> scripts/devset_grids.txt: dev-set rows over fixed grids
-#   scripts/gpu_session.sh search-vs-exhaustive -> scripts/search_target.txt: a grid measured
-#     whole, then searched by `cudal2 optimize --template --param` (one JSON line per call)
+#   scripts/gpu_session.sh devset-grids -> scripts/devset_grids.txt (or GRIDS=FILE): dev-set
+#     rows over fixed grids
+#   scripts/gpu_session.sh search-vs-exhaustive -> scripts/search_target.txt: per problem, the
+#     grid searched by `cudal2 optimize --template --param` from an empty compile cache, then
+#     measured whole, then searched again with the cache warm (one JSON line per call;
+#     SEARCH_ROWS='1p' picks lines as a sed -n script)
 #   scripts/gpu_session.sh devset-optimize -> cudal2 optimize (search) on every row of DEVSET
 #     (DEVSET_ROWS='1,8p;19p' picks data rows as a sed -n script; OPTIMIZE="..." sets its options)
 # Logs, JSON and a tarball of the results directory go to ${OUT:-gpu-run}/.
@@ -41,18 +49,22 @@ for stage in "$@"; do
           --results "$results" --json | oneline
       done 2>&1 | tee "$out/devset.jsonl" ;;
     devset-grids)  # m n k dtype layout template grid...; one JSON document per line
-      grep -v '^#' scripts/devset_grids.txt | while read -r m n k dtype layout template grid; do
+      grep -v '^#' "${GRIDS:-scripts/devset_grids.txt}" | while read -r m n k dtype layout template grid; do
         cudal2 bench --m "$m" --n "$n" --k "$k" --dtype "$dtype" --layout "$layout" --budget 0.2 \
           --results "$results" --template "$template" $(params "$grid") --json \
           | oneline
       done 2>&1 | tee "$out/devset-grids.jsonl" ;;
     search-vs-exhaustive)
-      grep -v '^#' scripts/search_target.txt | while read -r m n k dtype layout template grid; do
+      grep -v '^#' scripts/search_target.txt | sed -n "${SEARCH_ROWS:-p}" \
+        | while read -r m n k dtype layout template grid; do
         shape=(--m "$m" --n "$n" --k "$k" --dtype "$dtype" --layout "$layout" --template "$template" $(params "$grid"))
-        cudal2 bench "${shape[@]}" --budget 0.2 --results "$results/exhaustive" --json \
-          | oneline
-        cudal2 optimize "${shape[@]}" --budget 0.2 --iterations 50 --batch 8 --patience 3 --time-budget 120 \
-          --results "$results/search" --json | oneline
+        search=(--budget 0.2 --iterations 50 --batch 8 --patience 3 --time-budget 120 --json)
+        # From an empty compile cache (one of its own per problem): wall, GPU and nvcc seconds.
+        # Each search starts from an empty leaderboard of its own (no warm start from the others).
+        CUDAL2_CACHE_DIR=$(mktemp -d) cudal2 optimize "${shape[@]}" "${search[@]}" \
+          --results "$results/cold-${m}x${n}x${k}" | oneline
+        cudal2 bench "${shape[@]}" --budget 0.2 --results "$results/exhaustive" --json | oneline
+        cudal2 optimize "${shape[@]}" "${search[@]}" --results "$results/search-${m}x${n}x${k}" | oneline
       done 2>&1 | tee "$out/search-vs-exhaustive.jsonl" ;;
     devset-optimize)  # the search proposer on every row (warm-started from the leaderboard)
       tail -n +2 "${DEVSET:-../shared/shapes/dev.csv}" | sed -n "${DEVSET_ROWS:-p}" \
@@ -61,6 +73,22 @@ for stage in "$@"; do
           ${OPTIMIZE:---iterations 2 --batch 8 --patience 1 --budget 0.2} --results "$results" --json \
           | oneline
       done 2>&1 | tee -a "$out/devset-optimize.jsonl" ;;
+    ceiling)
+      nvcc -O3 -arch=sm_90a -o /tmp/mma_peak scripts/mma_peak.cu && /tmp/mma_peak | tee "$out/mma-peak.txt"
+      refs=()  # CUTLASS 2.x tilings: block M N K, warp M N, stages
+      for v in "128 256 32 64 64 3" "256 128 32 64 64 3" "128 128 32 64 64 4" "128 256 64 64 64 3"; do
+        set -- $v
+        f=/tmp/cutlass2_sm80_${1}x${2}x${3}_w${4}x${5}_s${6}.cu
+        { printf '#define CUDAL2_TILE_M %s\n#define CUDAL2_TILE_N %s\n#define CUDAL2_TILE_K %s\n' "$1" "$2" "$3"
+          printf '#define CUDAL2_WARP_M %s\n#define CUDAL2_WARP_N %s\n#define CUDAL2_STAGES %s\n' "$4" "$5" "$6"
+          cat examples/cutlass2_sm80_gemm_fp16_nn.cu; } > "$f"
+        refs+=(--kernel "$f")
+      done
+      cudal2 bench --m 4096 --n 4096 --k 4096 --results "$results" --budget 0.3 "${refs[@]}" --template sm80_mma \
+        --param block_m=128,256 --param block_n=128,256 --param block_k=32,64 \
+        --param warps_m=2,4 --param warps_n=2,4 --param stages=3,4 --param epilogue=direct,smem \
+        --param group_m=8,16 --json \
+        > "$out/ceiling-4096.json" 2> "$out/ceiling-4096.err"; tail -3 "$out/ceiling-4096.err" ;;
     sweep-occupancy)
       cudal2 bench --m 4096 --n 4096 --k 4096 --results "$results" --budget 0.3 --template sm80_mma \
         --param block_m=128 --param block_n=128 --param block_k=32,64 --param warps_m=2,4 --param warps_n=2,4 \
@@ -87,6 +115,14 @@ for stage in "$@"; do
             --results "$results" --template sm90_cutlass $(params "$line") --json
         done
       done 2>&1 | tee "$out/$stage.jsonl" ;;
+    sweep90-raster)
+      for shape in "${sm90_shapes[@]:0:2}"; do
+        set -- $shape
+        grids | tail -n +3 | while read -r line; do
+          cudal2 bench --m "$1" --n "$2" --k "$3" --dtype "$4" --layout "$5" --budget 0.3 \
+            --results "$results" --template sm90_cutlass $(params "$line") --json | oneline
+        done
+      done 2>&1 | tee "$out/sweep90-raster.jsonl" ;;
     small)  # shape, then a grid of sm80_mma parameters; one JSON document per line
       while read -r m n k dtype layout grid; do
         cudal2 bench --m "$m" --n "$n" --k "$k" --dtype "$dtype" --layout "$layout" --budget 0.2 \
