@@ -21,10 +21,19 @@ LAUNCH_US = 2.0  # a launch and its tail, measured: cuBLAS 64^3 takes ~2-3 us ba
 OVERLAP_LOSS = 0.25  # share of the shorter of compute and memory time not hidden behind the other
 L2_PER_DRAM = 2.5  # L2-to-SM bandwidth over DRAM bandwidth, roughly, on H100/H200
 # Warps per SM below which an SM cannot keep enough loads in flight to reach the memory
-# bandwidth (Little's law). Ranking the recorded H200 measurements (docs/): geometric mean,
-# over 28 problems, of the best of the model's top 3 over the best measured: 0.744 without
-# this term, 0.949 at 4 warps, 0.966 at 8.
-OCCUPANCY_WARPS = 8
+# bandwidth (Little's law).
+OCCUPANCY_WARPS = 4
+# Split-K is not free: the CTAs of a cluster must be co-resident, wait for each other and
+# reduce through distributed shared memory. Per extra CTA sharing a tile, the compute time
+# stretches by this share (split_k 2 and 4 lost 1-5 us on the small problems of the
+# 162-configuration grids in docs/h200-2026-11-30.md, third round, where the model without
+# it expected gains).
+SPLIT_LOSS = 0.25
+# OCCUPANCY_WARPS and SPLIT_LOSS are fitted to the recorded H200 measurements with
+# scripts/cost_check.py (30 problems, in-sample): geometric mean of the best measured among
+# the model's top 1 / top 3 over the best measured 0.963 / 0.986, and on every problem with
+# 10 or more measured configurations the top 10 hold one within 1% of the best. Without
+# the split-K term and at 8 warps: 0.862 / 0.922, and 0.56 on the worst problem.
 
 
 def tensor_peak(device: dict[str, Any]) -> float:
@@ -45,17 +54,19 @@ def predict_us(template: Template, params: dict[str, Any], problem: Problem, dev
         return math.inf
     tm, tn, split = int(c["tile_m"]), int(c["tile_n"]), max(1, int(c["split_k"]))
     tiles = math.ceil(problem.m / tm) * math.ceil(problem.n / tn)
-    slots = device["sm_count"] * max(1, int(c["ctas_per_sm"]))
-    waves = math.ceil(tiles * split / slots)
-    # Each wave costs as much as a full wave of whole tiles: padding and idle slots are paid.
-    per_slot_flops = tensor_peak(device) * float(c["efficiency"]) / slots
-    compute_s = waves * 2.0 * tm * tn * math.ceil(problem.k / split) / per_slot_flops
+    ctas, sms = tiles * split, device["sm_count"]
+    # CTAs sharing an SM at once: as many as fit, or fewer when the grid is small.
+    resident = min(max(1, int(c["ctas_per_sm"])), math.ceil(ctas / sms))
+    waves = math.ceil(ctas / (sms * resident))
+    sm_flops = tensor_peak(device) / sms * float(c["efficiency"])
+    # Each wave costs as much as a full wave of whole tiles: padding and idle SMs are paid.
+    tile_flops = 2.0 * tm * tn * math.ceil(problem.k / split)
+    compute_s = waves * resident * tile_flops / sm_flops * (1 + SPLIT_LOSS * (split - 1))
     l2_bytes = tiles * (tm + tn) * problem.k * 2 + (tiles * tm * tn * 4 * 2 if split > 1 else 0)
     memory_s = max(problem.min_bytes / dram_bandwidth(device), l2_bytes / (L2_PER_DRAM * dram_bandwidth(device)))
     # Too few warps on an SM cannot keep enough loads in flight: the memory time stretches
     # by the missing share of OCCUPANCY_WARPS (templates that give `warps` per block).
     if c.get("warps"):
-        resident = min(max(1, int(c["ctas_per_sm"])), math.ceil(tiles * split / device["sm_count"]))
         occupancy = min(1.0, resident * int(c["warps"]) / OCCUPANCY_WARPS)
         memory_s = memory_s / occupancy
     # Compute and memory overlap, but not perfectly: a quarter of the smaller is paid too

@@ -57,6 +57,42 @@ def nearest_winners(problem: Problem, rows: list[dict[str, Any]], per_problem: i
     return found
 
 
+class Correction:
+    """What the measurements of this problem say about the cost model's errors, as a factor
+    on its predicted time: per template the median of measured over predicted, times an
+    effect per parameter value, fitted to the remaining log ratios as an additive model
+    (ridge-shrunk: a value seen in n measured configurations moves by at most n / (n + 1)
+    of its mean residual). A value never measured has no effect; before any measurement the
+    factor is 1. So one fast split_k=1 kernel lifts every split_k=1 configuration the model
+    ranked low."""
+
+    RIDGE = 1.0
+    SWEEPS = 4  # backfitting passes
+
+    def __init__(self, measured: list[tuple[str, dict[str, Any], float]]):
+        logs: dict[str, list[tuple[dict[str, Any], float]]] = {}
+        for name, params, ratio in measured:
+            logs.setdefault(name, []).append((params, math.log(ratio)))
+        self.base = {name: statistics.median(v for _, v in entries) for name, entries in logs.items()}
+        self.effect: dict[tuple[str, str, Any], float] = {}
+        for name, entries in logs.items():
+            keys = sorted({key for params, _ in entries for key in params})
+            for _ in range(self.SWEEPS):
+                for key in keys:
+                    sums: dict[Any, list[float]] = {}
+                    for params, value in entries:
+                        rest = value - self.base[name] - sum(self.effect.get((name, k, v), 0.0)
+                                                             for k, v in params.items() if k != key)
+                        sums.setdefault(params.get(key), []).append(rest)
+                    for v, rests in sums.items():
+                        self.effect[(name, key, v)] = sum(rests) / (len(rests) + self.RIDGE)
+
+    def __call__(self, name: str, params: dict[str, Any]) -> float:
+        if name not in self.base:
+            return 1.0
+        return math.exp(self.base[name] + sum(self.effect.get((name, k, v), 0.0) for k, v in params.items()))
+
+
 class SearchProposer:
     """Starts from what won on the nearest problems and the cost model's ranking, then
     searches around what measured best.
@@ -64,9 +100,10 @@ class SearchProposer:
     Half of each batch alternates between the fastest configurations of the nearest other
     problems (`prior`: leaderboard rows; nearest first) and the neighbours (one parameter
     moved one step in its values list) of this problem's three fastest measured
-    configurations (ranked by the cost model, rescaled per template by how far its
-    predictions were from the measurements); the rest of the batch follows the global
-    ranking. A configuration whose build is not in the compile
+    configurations. Neighbours take the parameters in turn, each parameter's best move by
+    the cost model (corrected by what was measured: `Correction`) first: a parameter the model misjudges on this problem (split_k where
+    the tiles already fill the GPU, say) is still moved. The rest of the batch follows the
+    global ranking. A configuration whose build is not in the compile
     cache (`cached` says) counts UNCACHED_PENALTY slower: a CUTLASS compile costs a
     minute, a cached one nothing. Ties are broken by a seeded shuffle: deterministic per
     --seed.
@@ -106,19 +143,18 @@ class SearchProposer:
             self._ranking[problem] = [(t, name, params) for t, _, name, params in keyed]
         return self._ranking[problem]
 
-    def _scales(self, problem: Problem, history: list[dict[str, Any]]) -> dict[str, float]:
-        """Measured over predicted time, per template (1.0 before any measurement)."""
-        ratios: dict[str, list[float]] = {}
+    def _correction(self, problem: Problem, history: list[dict[str, Any]]) -> Correction:
+        measured = []
         for row in history:
             if row.get("status") == "ok" and row.get("template") in self.templates and row.get("offline_us"):
-                template = self.templates[row["template"]]
                 params = recorded_params(row, self.templates)
-                predicted = predict_us(template, params, problem, self.device) if params else math.inf
+                predicted = predict_us(self.templates[row["template"]], params, problem, self.device) if params else math.inf
                 if math.isfinite(predicted):
-                    ratios.setdefault(row["template"], []).append(row["offline_us"] / predicted)
-        return {name: statistics.median(values) for name, values in ratios.items()}
+                    measured.append((row["template"], params, row["offline_us"] / predicted))
+        return Correction(measured)
 
-    def _neighbours(self, name: str, params: dict[str, Any]) -> list[dict[str, Any]]:
+    def _neighbours(self, name: str, params: dict[str, Any]) -> list[tuple[str, dict[str, Any]]]:
+        """(parameter, configuration) for each valid one-step move of one parameter."""
         space = self.templates[name].space
         found = []
         for key, spec in space.params.items():
@@ -127,21 +163,25 @@ class SearchProposer:
                 if 0 <= j < len(spec.values):
                     moved = {**params, key: spec.values[j]}
                     if not space.violations(moved, self.device["cc"]):
-                        found.append(moved)
+                        found.append((key, moved))
         return found
 
     def propose(self, problem: Problem, history: list[dict[str, Any]], n: int) -> list[Candidate]:
         seen = tried(history)
-        scales = self._scales(problem, history)
+        correction = self._correction(problem, history)
 
         def penalty(name: str, params: dict[str, Any]) -> float:
             return 1.0 if self.cached is None or self.cached(problem, name, params) else self.UNCACHED_PENALTY
 
         def score(name: str, params: dict[str, Any]) -> float:
-            t = predict_us(self.templates[name], params, problem, self.device) * scales.get(name, 1.0)
+            t = predict_us(self.templates[name], params, problem, self.device) * correction(name, params)
             return t * penalty(name, params) if math.isfinite(t) else t
 
         picks: list[Candidate] = []
+
+        def fresh(name: str, params: dict[str, Any]) -> bool:  # neither measured nor outside `within`
+            key = (name, Candidate.from_template(name, params).params_json)
+            return key not in seen and (self.within is None or key in self.within)
 
         def take(name: str, params: dict[str, Any]) -> None:
             candidate = Candidate.from_template(name, params)
@@ -155,12 +195,27 @@ class SearchProposer:
              and row.get("offline_us")),
             key=lambda row: row["offline_us"],
         )
-        near = []
-        for row in measured[:3]:
-            if (params := recorded_params(row, self.templates)) is not None:
-                near += [(score(row["template"], moved), row["template"], moved)
-                         for moved in self._neighbours(row["template"], params)]
-        near.sort(key=lambda e: e[0])
+        best_params = [(row["template"], params) for row in measured
+                       if (params := recorded_params(row, self.templates)) is not None]
+        values_measured = {(name, key, value) for name, params in best_params for key, value in params.items()}
+        novel, by_axis = [], {}
+        for name, params in best_params[:3]:
+            for key, moved in self._neighbours(name, params):
+                if fresh(name, moved):
+                    entry = (score(name, moved), name, moved)
+                    if (name, key, moved[key]) not in values_measured:
+                        novel.append(entry)
+                    else:
+                        by_axis.setdefault((name, key), []).append(entry)
+        # Moves to a value never measured on this problem first (they tell the most, whatever
+        # the model thinks of them), then each parameter's best move, each one's second, ...
+        near = sorted(novel, key=lambda e: e[0])
+        axes = [sorted(moves, key=lambda e: e[0]) for moves in by_axis.values()]
+        for depth in itertools.count():
+            layer = [moves[depth] for moves in axes if depth < len(moves)]
+            if not layer:
+                break
+            near += sorted(layer, key=lambda e: e[0])
         warm = []  # what won on the nearest problems, in that order, if it can run this one
         for row in nearest_winners(problem, self.prior):
             params, template = recorded_params(row, self.templates), self.templates.get(row["template"])
@@ -174,8 +229,8 @@ class SearchProposer:
                 break
             if math.isfinite(t):
                 take(name, params)
-        ranked = sorted(self.ranking(problem), key=lambda e: e[0] * scales.get(e[1], 1.0))
-        head = sorted(ranked[: self.WINDOW], key=lambda e: e[0] * scales.get(e[1], 1.0) * penalty(e[1], e[2]))
+        ranked = sorted(self.ranking(problem), key=lambda e: e[0] * correction(e[1], e[2]))
+        head = sorted(ranked[: self.WINDOW], key=lambda e: e[0] * correction(e[1], e[2]) * penalty(e[1], e[2]))
         for _, name, params in head + ranked[self.WINDOW:]:
             if len(picks) >= n:
                 break

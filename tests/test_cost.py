@@ -20,15 +20,20 @@ def test_stream_k_wins_when_few_tiles_leave_sms_idle():
     template = get_template("sm90_cutlass")
     persistent = predict_us(template, sm90(tile_n=128, tile_scheduler="persistent"), skinny, H200)
     streamk = predict_us(template, sm90(tile_n=128, tile_scheduler="streamk"), skinny, H200)
-    assert streamk < persistent / 4
+    assert streamk < persistent  # measured on the H200: 48.7 us against 78.1 us
 
 
 def test_tile_quantisation_is_paid():
     template = get_template("sm80_mma")
-    base = {**template.space.defaults(), "warps_m": 4, "warps_n": 2}  # 8 warps, one block per SM
-    p = Problem(4224, 4224, 4096)  # 33 tiles of 128: a 256 tile pads to 4352
-    small = predict_us(template, {**base, "block_m": 128}, p, H200)
-    large = predict_us(template, {**base, "block_m": 256}, p, H200)
+    base = {**template.space.defaults(), "block_n": 128, "warps_n": 2}  # 64x64 warp tiles, 8 warps per SM
+
+    def small_and_large(p):
+        return (predict_us(template, {**base, "block_m": 128, "warps_m": 2}, p, H200),
+                predict_us(template, {**base, "block_m": 256, "warps_m": 4}, p, H200))
+
+    small, large = small_and_large(Problem(4096, 4096, 4096))
+    assert large <= small  # no padding: the larger tile is at least as good
+    small, large = small_and_large(Problem(4224, 4224, 4096))  # 33 tiles of 128: a 256 tile pads to 4352
     assert small < large
 
 
