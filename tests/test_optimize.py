@@ -106,6 +106,44 @@ def test_search_moves_to_neighbours_of_the_fastest_measured(tmp_path):
     assert moved == [1, 1] and best not in proposals
 
 
+def test_search_moves_to_a_value_never_measured_before_the_model_favourites(monkeypatch):
+    # A model that wrongly expects split_k=1 to be 3x slower. Every value one step from the
+    # best kernel has been measured somewhere (in slower kernels two steps away), except
+    # split_k=1: that move comes first.
+    import cudal2_cli.propose as propose
+
+    monkeypatch.setattr(propose, "predict_us", lambda template, params, problem, device:
+                        30.0 if params["split_k"] == 1 else 10.0)
+    search = sm80_search()
+    space = get_template("sm80_mma").space
+    best = {**space.defaults(), "block_m": 64, "block_n": 64, "warps_m": 2, "warps_n": 2, "split_k": 2}
+    measured = [best, best, best]  # measured three times: the three fastest rows
+    for key, moved in search._neighbours("sm80_mma", best):
+        if (key, moved[key]) != ("split_k", 1):
+            other = "stages" if key != "stages" else "group_m"
+            twice = {**moved, other: 3 if other == "stages" else 16}
+            if not space.violations(twice, 90):
+                measured.append(twice)
+    history = [{"status": "ok", "template": "sm80_mma", "kernel": str(i), "offline_us": 6.7 + i,
+                "params": Candidate.from_template("sm80_mma", params).params_json}
+               for i, params in enumerate(measured)]
+    picks = search.propose(Problem(512, 1024, 512), history, 2)
+    assert picks[0].param_dict == {**best, "split_k": 1}
+
+
+def test_correction_carries_what_one_value_measured_to_configurations_not_yet_measured():
+    from cudal2_cli.propose import Correction
+
+    a = {"block_m": 64, "split_k": 1}
+    b = {"block_m": 64, "split_k": 2}
+    c = {"block_m": 128, "split_k": 2}
+    # measured over predicted: split_k=1 ran at half the predicted time, split_k=2 as predicted
+    correction = Correction([("t", a, 0.5), ("t", b, 1.0), ("t", c, 1.0)])
+    assert correction("t", {"block_m": 128, "split_k": 1}) < correction("t", {"block_m": 128, "split_k": 2})
+    assert correction("other", a) == 1.0  # nothing measured for that template: no correction
+    assert Correction([])("t", a) == 1.0
+
+
 def test_first_batch_leads_with_what_won_on_the_nearest_problems():
     space = get_template("sm80_mma").space
 
