@@ -5,7 +5,7 @@
 #   scripts/gpu_session.sh devset  -> cudal2 bench on every row of shapes/dev.csv (DEVSET=path)
 #   scripts/gpu_session.sh sweep   -> a grid of sm80_mma configurations at 4096^3
 #   scripts/gpu_session.sh sweep-occupancy -> 128x128 tiles at two blocks per SM
-#   scripts/gpu_session.sh ceiling -> what mma.sync can reach here: scripts/mma_peak.cu, then
+#   scripts/gpu_session.sh ceiling -> what mma.sync can reach here: benchmarks/mma_sync_peak.cu, then
 #     CUTLASS 2.x's Ampere GEMM (examples/cutlass2_sm80_gemm_fp16_nn.cu, four tilings) beside
 #     the sm80_mma sweep grid at 4096^3, in one bench run
 #   scripts/gpu_session.sh precompile -> compile scripts/sm90_grids.txt for sm_90a (no GPU needed)
@@ -74,7 +74,7 @@ for stage in "$@"; do
           | oneline
       done 2>&1 | tee -a "$out/devset-optimize.jsonl" ;;
     ceiling)
-      nvcc -O3 -arch=sm_90a -o /tmp/mma_peak scripts/mma_peak.cu && /tmp/mma_peak | tee "$out/mma-peak.txt"
+      nvcc -O3 -arch=sm_90a -o /tmp/mma_peak benchmarks/mma_sync_peak.cu && /tmp/mma_peak | tee "$out/mma-peak.txt"
       refs=()  # CUTLASS 2.x tilings: block M N K, warp M N, stages
       for v in "128 256 32 64 64 3" "256 128 32 64 64 3" "128 128 32 64 64 4" "128 256 64 64 64 3"; do
         set -- $v
