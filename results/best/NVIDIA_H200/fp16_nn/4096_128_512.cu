@@ -1,9 +1,9 @@
 // cudal2 best kernel for C[4096,128] = A[4096,512] @ B (fp16, layout nn, fp32 accumulation)
-// speedup 0.838x over cuBLAS (4.43 us -> 5.29 us, offline device time) on NVIDIA H200 (sm_90a)
-// measured 2026-11-30 06:27:50.717705+00:00; template sm80_mma {"block_k": 64, "block_m": 64, "block_n": 64, "group_m": 8, "min_blocks": 1, "split_k": 1, "stages": 3, "warps_m": 2, "warps_n": 2}
+// speedup 0.875x over cuBLAS (4.44 us -> 5.07 us, offline device time) on NVIDIA H200 (sm_90a)
+// measured 2026-11-30 08:22:33.717751+00:00; template sm80_mma {"block_k": 64, "block_m": 64, "block_n": 64, "epilogue": "smem", "group_m": 8, "min_blocks": 1, "split_k": 1, "stages": 4, "warps_m": 2, "warps_n": 2}
 // build: nvcc -O3 -std=c++17 -shared -Xcompiler -fPIC -gencode=arch=compute_90a,code=sm_90a -I<cutlass>/include -I<cutlass>/tools/util/include kernel.cu -o kernel.so
 // cudal2 template sm80_mma: Ampere-style tensor-core GEMM (runs on sm_80 and newer).
-// mma.sync.m16n8k16 with fp32 accumulation, ldmatrix fragment loads, a 3-stage
+// mma.sync.m16n8k16 with fp32 accumulation, ldmatrix fragment loads, a 4-stage
 // cp.async shared-memory pipeline and XOR-swizzled shared memory. Edges are handled
 // inside the kernel: out-of-range rows and columns are zero-filled on load and masked on
 // store, and rows that are not 16-byte aligned (K or N not a multiple of 8) take a
@@ -13,7 +13,7 @@
 // so small or skinny problems fill the GPU without a workspace or a second launch.
 //
 // dtype=fp16 layout=nn block=64x64x64
-// warps=2x2 stages=3 group_m=8 split_k=1
+// warps=2x2 stages=4 group_m=8 split_k=1 epilogue=smem
 #include <cuda_runtime.h>
 
 #include <cuda_fp16.h>
@@ -35,7 +35,7 @@ __device__ __forceinline__ Element to_element(float x) { return __float2half_rn(
 constexpr bool kTransB = false;  // B given as W[N,K]
 constexpr int BM = 64, BN = 64, BK = 64;
 constexpr int WARPS_M = 2, WARPS_N = 2;
-constexpr int STAGES = 3, GROUP_M = 8, SPLIT_K = 1;
+constexpr int STAGES = 4, GROUP_M = 8, SPLIT_K = 1;
 constexpr int THREADS = WARPS_M * WARPS_N * 32;
 constexpr int WTM = BM / WARPS_M, WTN = BN / WARPS_N;  // warp tile
 constexpr int MT = WTM / 16, NT = WTN / 8;              // mma tiles per warp
@@ -52,7 +52,10 @@ constexpr int A_STAGE = A_ROWS * A_CHUNKS * 8, B_STAGE = B_ROWS * B_CHUNKS * 8; 
 // Split-K: the fp32 partial tile of a CTA, rows padded by 4 floats against bank conflicts.
 constexpr int RED_LD = BN + 4;
 constexpr int PIPE_BYTES = STAGES * (A_STAGE + B_STAGE) * (int)sizeof(Element);
-constexpr int SMEM_BYTES = SPLIT_K > 1 && BM * RED_LD * 4 > PIPE_BYTES ? BM * RED_LD * 4 : PIPE_BYTES;
+// The smem epilogue: the fp16/bf16 output tile, rows padded by 8 elements.
+constexpr int OUT_LD = BN + 8;
+constexpr int EPI_BYTES = BM * OUT_LD * 2;
+constexpr int SMEM_BYTES = EPI_BYTES > PIPE_BYTES ? EPI_BYTES : PIPE_BYTES;
 static_assert(BM % SPLIT_K == 0, "each CTA of a cluster reduces BM / SPLIT_K rows");
 
 template <int L>
@@ -69,8 +72,9 @@ __device__ __forceinline__ uint32_t smem_addr(const void* p) {
 }
 
 __device__ __forceinline__ void cp_async16(void* dst, const void* src, bool valid) {
-  // src-size 0 zero-fills the 16 bytes: out-of-range chunks become zeros.
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(smem_addr(dst)),
+  // src-size 0 zero-fills the 16 bytes: out-of-range chunks become zeros. L2::128B lets the
+  // L2 fetch the whole 128-byte line, which the neighbouring chunks of the row need next.
+  asm volatile("cp.async.cg.shared.global.L2::128B [%0], [%1], 16, %2;\n" ::"r"(smem_addr(dst)),
                "l"(src), "r"(valid ? 16 : 0));
 }
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
@@ -93,25 +97,49 @@ __device__ __forceinline__ void mma(float* d, const uint32_t* a, const uint32_t*
 }
 
 // One ROWS x CHUNKS tile of 16-byte chunks of a row-major matrix with `ld` elements per
-// row, `rows` valid rows from `row0` and `cols` valid columns from `col0`; each thread
-// moves chunks tid, tid + THREADS, ... (PER of them).
+// row. Thread tid owns chunk column c = tid % CHUNKS of rows r = tid / CHUNKS, r + RPP, ...
+// (PER of them), the same in every K tile.
 template <int ROWS, int CHUNKS>
 struct TileCopy {
-  static constexpr int TOTAL = ROWS * CHUNKS, PER = (TOTAL + THREADS - 1) / THREADS;
+  static_assert(THREADS % CHUNKS == 0, "a pass of the threads covers whole rows");
+  static constexpr int RPP = THREADS / CHUNKS;  // rows per pass
+  static constexpr int PER = (ROWS + RPP - 1) / RPP;
+  static constexpr int TOTAL = ROWS * CHUNKS;
 
-  // Aligned rows (16-byte row starts, `cols` a multiple of 8): each chunk is entirely in
-  // or out of range, and cp.async moves it straight to shared memory (zeros if out).
-  static __device__ __forceinline__ void async(Element* smem, const Element* g, int ld, int row0,
-                                               int rows, int col0, int cols, int tid) {
+  // Aligned rows (16-byte row starts, column counts a multiple of 8): a chunk is entirely in
+  // or out of range, and cp.async moves it straight to shared memory (zeros if out). The
+  // cursor is one pointer and two remaining extents, advanced tile by tile, so a thread's
+  // loads cost a handful of registers however many chunks it moves.
+  struct Cursor {
+    const Element* ptr;  // this thread's first chunk of the current tile
+    int ld;
+    int rows_left, cols_left;  // valid rows from, and valid columns from, that chunk
+
+    __device__ __forceinline__ Cursor(const Element* g, int ld_, int row0, int rows, int col0, int cols,
+                                      int tid)
+        : ld(ld_) {
+      const int r = tid / CHUNKS, c = tid % CHUNKS;
+      rows_left = rows - row0 - r;
+      cols_left = cols - col0 - c * 8;
+      ptr = g + (long long)(row0 + r) * ld + col0 + c * 8;
+    }
+    __device__ __forceinline__ void next_cols(int n) { ptr += n; cols_left -= n; }
+    __device__ __forceinline__ void next_rows(int n) { ptr += (long long)n * ld; rows_left -= n; }
+  };
+
+  static __device__ __forceinline__ void async(Element* smem, const Cursor& at, int tid) {
+    const int r = tid / CHUNKS, c = tid % CHUNKS;
+    // The swizzle repeats every 8 rows: with RPP a multiple of 8 the passes are a constant apart.
+    const int first = swizzle<CHUNKS>(r, c) * 8;
+    const Element* g = at.ptr;
 #pragma unroll
     for (int i = 0; i < PER; ++i) {
-      const int idx = tid + i * THREADS;
-      if (TOTAL % THREADS == 0 || idx < TOTAL) {
-        const int r = idx / CHUNKS, c = idx % CHUNKS;
-        const int gr = row0 + r, gc = col0 + c * 8;
-        const bool valid = gr < rows && gc < cols;
-        cp_async16(smem + swizzle<CHUNKS>(r, c) * 8, valid ? g + (size_t)gr * ld + gc : g, valid);
+      if (ROWS % RPP == 0 || r + i * RPP < ROWS) {
+        const int at_smem = RPP % 8 == 0 ? first + i * RPP * CHUNKS * 8 : swizzle<CHUNKS>(r + i * RPP, c) * 8;
+        // Out of range: src-size 0 reads nothing and zero-fills.
+        cp_async16(smem + at_smem, g, i * RPP < at.rows_left && at.cols_left > 0);
       }
+      g += (long long)RPP * at.ld;
     }
   }
 
@@ -177,19 +205,26 @@ gemm_kernel(const Element* __restrict__ A, const Element* __restrict__ B,
     k_tiles = max(0, min(k_tiles - kt0, per));
   }
 
-  // Aligned rows: cp.async K tile `kt` into `stage`. Unaligned: gather it into registers
-  // (fetch) and write them to `stage` later (put).
+  // Aligned rows: cp.async the next K tile into `stage` and advance the cursors. Unaligned:
+  // gather K tile `kt` into registers (fetch) and write them to `stage` later (put). Tiles
+  // are loaded in order, kt = 0, 1, 2, ... (Spreading the cp.async over the k-steps, as
+  // CUTLASS 2 does, measured 3% slower with 64-deep K tiles on an H200: docs/.)
+  typename CopyA::Cursor cur_a(A, K, bm, M, kt0 * BK, K, tid);
+  typename CopyB::Cursor cur_b = kTransB ? typename CopyB::Cursor(B, K, bn, N, kt0 * BK, K, tid)
+                                         : typename CopyB::Cursor(B, N, kt0 * BK, K, bn, N, tid);
   uint4 ra[kAligned ? 1 : CopyA::PER], rb[kAligned ? 1 : CopyB::PER];
   auto load_stage = [&](int stage, int kt) {
-    const int k0 = (kt0 + kt) * BK;
     if constexpr (kAligned) {
-      CopyA::async(sA + stage * A_STAGE, A, K, bm, M, k0, K, tid);
+      CopyA::async(sA + stage * A_STAGE, cur_a, tid);
+      CopyB::async(sB + stage * B_STAGE, cur_b, tid);
+      cur_a.next_cols(BK);
       if constexpr (kTransB) {
-        CopyB::async(sB + stage * B_STAGE, B, K, bn, N, k0, K, tid);
+        cur_b.next_cols(BK);
       } else {
-        CopyB::async(sB + stage * B_STAGE, B, N, k0, K, bn, N, tid);
+        cur_b.next_rows(BK);
       }
     } else {
+      const int k0 = (kt0 + kt) * BK;
       CopyA::fetch(ra, A, K, bm, M, k0, K, tid);
       if constexpr (kTransB) {
         CopyB::fetch(rb, B, K, bn, N, k0, K, tid);
@@ -263,17 +298,16 @@ gemm_kernel(const Element* __restrict__ A, const Element* __restrict__ B,
   __syncthreads();
   load_fragments(0, 0, 0);
   for (int kt = 0; kt < k_tiles; ++kt) {
-    const int stage = kt % STAGES;
+    const int stage = kt % STAGES, next = kt + STAGES - 1;
 #pragma unroll
     for (int ks = 0; ks < KSTEPS; ++ks) {
       if (ks == KSTEPS - 1) {
-        if (kt + STAGES - 1 < k_tiles) put_stage((kt + STAGES - 1) % STAGES);  // fetched at ks == 0
+        if (next < k_tiles) put_stage(next % STAGES);  // fetched at ks == 0
         cp_async_wait<STAGES - 2>();
         __syncthreads();  // tile kt+1 has landed, and no warp reads stage kt any more
       }
       load_fragments((ks + 1) & 1, ks == KSTEPS - 1 ? (kt + 1) % STAGES : stage, (ks + 1) % KSTEPS);
       if (ks == 0) {  // refill the stage every warp finished with before the last barrier
-        const int next = kt + STAGES - 1;
         if (next < k_tiles) load_stage(next % STAGES, next);
         cp_async_commit();
       }
@@ -287,27 +321,35 @@ gemm_kernel(const Element* __restrict__ A, const Element* __restrict__ B,
 
   const int g = lane >> 2, t = lane & 3;
 
-  // Epilogue: each thread holds pairs of adjacent columns; pairs are stored as one 32-bit
-  // word when the row is 4-byte aligned (N even), else element by element.
-  const bool paired = (N & 1) == 0 && (reinterpret_cast<uintptr_t>(C) & 3) == 0;
+  // Epilogue through shared memory: the warps park their tile, rounded, in shared memory
+  // (rows padded by 8 elements, so the 8 rows of one store hit 8 different bank groups);
+  // then each thread stores whole 16-byte chunks of rows, so every 128-byte line of C is
+  // written by one instruction in full.
+  Element* out_tile = reinterpret_cast<Element*>(smem_raw);
+  __syncthreads();  // no warp reads the pipeline's shared memory any more
 #pragma unroll
-  for (int i = 0; i < MT; ++i) {
+  for (int i = 0; i < MT; ++i)
 #pragma unroll
-    for (int j = 0; j < NT; ++j) {
-      const int col = bn + wn * WTN + j * 8 + 2 * t;
+    for (int j = 0; j < NT; ++j)
 #pragma unroll
       for (int h = 0; h < 2; ++h) {
-        const int row = bm + wm * WTM + i * 16 + g + 8 * h;
-        if (row >= M) continue;
-        Element* out = C + (size_t)row * N + col;
-        const float lo = acc[i][j][2 * h], hi = acc[i][j][2 * h + 1];
-        if (paired && col + 1 < N) {
-          *reinterpret_cast<uint32_t*>(out) = pack2(lo, hi);
-        } else {
-          if (col < N) out[0] = to_element(lo);
-          if (col + 1 < N) out[1] = to_element(hi);
-        }
+        const int r = wm * WTM + i * 16 + g + 8 * h, c = wn * WTN + j * 8 + 2 * t;
+        *reinterpret_cast<uint32_t*>(out_tile + r * OUT_LD + c) = pack2(acc[i][j][2 * h], acc[i][j][2 * h + 1]);
       }
+  __syncthreads();
+  constexpr int OUT_CHUNKS = BN / 8;
+  const bool vector_store = (N & 7) == 0 && (reinterpret_cast<uintptr_t>(C) & 15) == 0;
+#pragma unroll 4
+  for (int idx = tid; idx < BM * OUT_CHUNKS; idx += THREADS) {
+    const int r = idx / OUT_CHUNKS, c = (idx % OUT_CHUNKS) * 8;
+    const int row = bm + r, col = bn + c;
+    if (row >= M || col >= N) continue;
+    const Element* src = out_tile + r * OUT_LD + c;
+    Element* out = C + (size_t)row * N + col;
+    if (vector_store && col + 8 <= N) {
+      *reinterpret_cast<uint4*>(out) = *reinterpret_cast<const uint4*>(src);
+    } else {
+      for (int e = 0; e < 8 && col + e < N; ++e) out[e] = src[e];
     }
   }
 
