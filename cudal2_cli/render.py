@@ -115,11 +115,19 @@ class Space:
 
     def complete(self, params: dict[str, Any]) -> dict[str, Any] | None:
         """Recorded parameters as a configuration of this space: parameters added since
-        take the value that reproduces the older kernels (`before`, else the default);
-        None if a parameter or value is no longer in the space."""
+        take the value that reproduces the older kernels: `before` where the space names
+        one, else the default, and the default where `before` would break a constraint
+        (the older kernel then did what the default does); None if a parameter or value is
+        no longer in the space."""
         if any(k not in self.params or v not in self.params[k].values for k, v in params.items()):
             return None
-        return {**{name: p.recorded_absent for name, p in self.params.items()}, **params}
+        filled = {**{name: p.recorded_absent for name, p in self.params.items()}, **params}
+        newest = max(MAX_SMEM)  # the kernel ran somewhere: judge it on the newest target
+        if self.violations(filled, newest):
+            plain = {**self.defaults(), **params}
+            if not self.violations(plain, newest):
+                return plain
+        return filled
 
     def facts(self, params: dict[str, Any], cc: int) -> dict[str, Any]:
         """Parameters plus derived values and target facts, as constraints see them."""

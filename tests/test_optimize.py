@@ -205,6 +205,8 @@ def test_recorded_parameters_complete_with_defaults_of_newer_parameters():
     # Kernels recorded before `epilogue` existed stored C directly, though the default is now smem.
     before_epilogue = {k: v for k, v in space.defaults().items() if k != "epilogue"}
     assert space.defaults()["epilogue"] == "smem" and space.complete(before_epilogue)["epilogue"] == "direct"
+    split = {**before_epilogue, "block_m": 16, "warps_m": 1, "split_k": 4}  # reduced through smem then too
+    assert space.complete(split) == {**split, "epilogue": "smem"}
 
 
 def test_patience_stops_a_run_that_no_longer_improves(tmp_path, compiler):
