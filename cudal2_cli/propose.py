@@ -100,13 +100,13 @@ class SearchProposer:
     Half of each batch alternates between the fastest configurations of the nearest other
     problems (`prior`: leaderboard rows; nearest first) and the neighbours (one parameter
     moved one step in its values list) of this problem's three fastest measured
-    configurations. Neighbours take the parameters in turn, each parameter's best move by
-    the cost model (corrected by what was measured: `Correction`) first: a parameter the model misjudges on this problem (split_k where
-    the tiles already fill the GPU, say) is still moved. The rest of the batch follows the
-    global ranking. A configuration whose build is not in the compile
-    cache (`cached` says) counts UNCACHED_PENALTY slower: a CUTLASS compile costs a
-    minute, a cached one nothing. Ties are broken by a seeded shuffle: deterministic per
-    --seed.
+    configurations: moves to a value never measured on this problem first, then the
+    parameters in turn, each one's best move by the cost model (corrected by what was
+    measured: `Correction`) first, so a parameter the model misjudges on this problem
+    (split_k where the tiles already fill the GPU, say) is still moved. The rest of the
+    batch follows the global ranking. A configuration whose build is not in the compile
+    cache (`cached` says) counts UNCACHED_PENALTY slower: a CUTLASS compile costs a minute,
+    a cached one nothing. Ties are broken by a seeded shuffle: deterministic per --seed.
     """
 
     name = "search"
@@ -184,10 +184,9 @@ class SearchProposer:
             return key not in seen and (self.within is None or key in self.within)
 
         def take(name: str, params: dict[str, Any]) -> None:
-            candidate = Candidate.from_template(name, params)
-            key = (name, candidate.params_json)
-            if key not in seen and len(picks) < n and (self.within is None or key in self.within):
-                seen.add(key)
+            if len(picks) < n and fresh(name, params):
+                candidate = Candidate.from_template(name, params)
+                seen.add((name, candidate.params_json))
                 picks.append(candidate)
 
         measured = sorted(
@@ -195,11 +194,11 @@ class SearchProposer:
              and row.get("offline_us")),
             key=lambda row: row["offline_us"],
         )
-        best_params = [(row["template"], params) for row in measured
-                       if (params := recorded_params(row, self.templates)) is not None]
-        values_measured = {(name, key, value) for name, params in best_params for key, value in params.items()}
+        measured_params = [(row["template"], params) for row in measured
+                           if (params := recorded_params(row, self.templates)) is not None]
+        values_measured = {(name, key, value) for name, params in measured_params for key, value in params.items()}
         novel, by_axis = [], {}
-        for name, params in best_params[:3]:
+        for name, params in measured_params[:3]:
             for key, moved in self._neighbours(name, params):
                 if fresh(name, moved):
                     entry = (score(name, moved), name, moved)
@@ -211,11 +210,8 @@ class SearchProposer:
         # the model thinks of them), then each parameter's best move, each one's second, ...
         near = sorted(novel, key=lambda e: e[0])
         axes = [sorted(moves, key=lambda e: e[0]) for moves in by_axis.values()]
-        for depth in itertools.count():
-            layer = [moves[depth] for moves in axes if depth < len(moves)]
-            if not layer:
-                break
-            near += sorted(layer, key=lambda e: e[0])
+        for layer in itertools.zip_longest(*axes):
+            near += sorted((e for e in layer if e is not None), key=lambda e: e[0])
         warm = []  # what won on the nearest problems, in that order, if it can run this one
         for row in nearest_winners(problem, self.prior):
             params, template = recorded_params(row, self.templates), self.templates.get(row["template"])
