@@ -14,6 +14,7 @@ from typing import Any
 
 import pandas as pd
 
+from .environment import dram_bandwidth, tensor_peak
 from .problem import Problem
 from .render import Template, load_templates, recorded_params
 
@@ -35,16 +36,6 @@ SPLIT_LOSS = 0.25
 # 10 or more measured configurations the top 10 hold one within 1% of the best. Without
 # the split-K term and at 8 warps: 0.862 / 0.922, and 0.56 on the worst problem. With a
 # 30th problem measured afterwards (768x1536x1024, 162 configurations): 0.960 / 0.984.
-
-
-def tensor_peak(device: dict[str, Any]) -> float:
-    """Dense fp16/bf16 FLOP/s at the boost clock."""
-    per_sm_clock = 4096 if device["cc"] >= 90 else 2048
-    return device["sm_count"] * device["max_sm_clock_mhz"] * 1e6 * per_sm_clock
-
-
-def dram_bandwidth(device: dict[str, Any]) -> float:
-    return device["memory_clock_khz"] * 1e3 * device["memory_bus_bits"] / 8 * 2
 
 
 def predict_us(template: Template, params: dict[str, Any], problem: Problem, device: dict[str, Any]) -> float:
@@ -87,6 +78,20 @@ def rank(templates: dict[str, Template], problem: Problem, device: dict[str, Any
                     ranked.append((predicted, name, params))
     ranked.sort(key=lambda entry: entry[0])
     return ranked
+
+
+# Memory facts the leaderboard does not record per row (clock kHz, bus bits), by GPU name.
+RECORDED_MEMORY = {"NVIDIA H200": (3201000, 6016)}
+
+
+def recorded_device(df: pd.DataFrame, gpu: str) -> dict[str, Any]:
+    """The device facts predict_us needs, for a GPU the leaderboard has rows of."""
+    rows = df[df["gpu"] == gpu]
+    if rows.empty or gpu not in RECORDED_MEMORY:
+        raise ValueError(f"no recorded rows or memory facts for {gpu!r}")
+    device = {k: int(rows[k].iloc[0]) for k in ("cc", "sm_count", "max_sm_clock_mhz")}
+    device["memory_clock_khz"], device["memory_bus_bits"] = RECORDED_MEMORY[gpu]
+    return {"gpu": gpu, **device}
 
 
 def measured_configurations(df: pd.DataFrame, gpu: str) -> dict[Problem, dict[tuple[str, str], float]]:

@@ -9,6 +9,18 @@ from typing import Any
 from . import compile as compile_stage
 
 
+def tensor_peak(device: dict[str, Any]) -> float:
+    """Dense fp16/bf16 tensor-core FLOP/s at the boost clock (per SM and clock: 4096 on
+    Hopper, 2048 before)."""
+    per_sm_clock = 4096 if device["cc"] >= 90 else 2048
+    return device["sm_count"] * device["max_sm_clock_mhz"] * 1e6 * per_sm_clock
+
+
+def dram_bandwidth(device: dict[str, Any]) -> float:
+    """Bytes per second of device memory (double data rate)."""
+    return device["memory_clock_khz"] * 1e3 * device["memory_bus_bits"] / 8 * 2
+
+
 def _nvidia_smi(device: int) -> dict[str, str]:
     """Current and maximum SM clock and the driver version, if nvidia-smi answers."""
     smi = shutil.which("nvidia-smi")

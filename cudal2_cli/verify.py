@@ -12,6 +12,7 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
+from .environment import dram_bandwidth, tensor_peak
 from .problem import Problem
 
 # What a kernel library may import: kernel registration and launch, attributes and
@@ -352,12 +353,9 @@ def _timer_check(ops: Operands, kernel: Kernel, stream) -> None:
 def physical_floor_us(problem: Problem, device: dict[str, Any], cold_l2: bool) -> float:
     """The fastest time the hardware allows: tensor-core FLOPs at the boost clock, plus
     (with a cold L2) reading the inputs and writing C at the memory bandwidth."""
-    per_sm_clock = 4096 if device["cc"] >= 90 else 2048  # dense fp16/bf16 FLOP per SM per clock
-    peak = device["sm_count"] * device["max_sm_clock_mhz"] * 1e6 * per_sm_clock
-    floor = problem.flops / peak
+    floor = problem.flops / tensor_peak(device)
     if cold_l2:
-        bandwidth = device["memory_clock_khz"] * 1e3 * device["memory_bus_bits"] / 8 * 2
-        floor = max(floor, problem.min_bytes / (bandwidth * 1.5))
+        floor = max(floor, problem.min_bytes / (dram_bandwidth(device) * 1.5))
     return floor * 1e6
 
 

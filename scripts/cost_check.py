@@ -13,7 +13,7 @@ import statistics
 import sys
 from pathlib import Path
 
-from cudal2_cli.cost import measured_configurations, predict_us
+from cudal2_cli.cost import measured_configurations, predict_us, recorded_device
 from cudal2_cli.leaderboard import Leaderboard
 from cudal2_cli.render import get_template
 
@@ -21,8 +21,7 @@ results = Path(sys.argv[1] if len(sys.argv) > 1 else "results")
 gpu = sys.argv[2] if len(sys.argv) > 2 else "NVIDIA H200"
 df = Leaderboard(results).read()
 ok = df[(df["status"] == "ok") & (df["gpu"] == gpu)]
-device = {k: ok[k].iloc[0] for k in ("cc", "sm_count", "max_sm_clock_mhz")} if len(ok) else {}
-device.update({"memory_clock_khz": 3201000, "memory_bus_bits": 6016})  # H200; not recorded per row
+device = recorded_device(df, gpu)
 top1, top3, rhos = [], [], []
 for problem, measured in sorted(measured_configurations(df, gpu).items(), key=lambda e: (e[0].m, e[0].n, e[0].k)):
     if len(measured) < 6:

@@ -20,7 +20,10 @@ import statistics
 import sys
 from pathlib import Path
 
+import pandas as pd
+
 from cudal2_cli.candidate import Candidate
+from cudal2_cli.cost import recorded_device
 from cudal2_cli.leaderboard import Leaderboard
 from cudal2_cli.problem import Problem
 from cudal2_cli.propose import SearchProposer
@@ -30,13 +33,13 @@ WITHIN = 0.98  # of the best speedup: "within 2%"
 BATCH, PATIENCE = 8, 3
 
 
-def measured_grid(results: Path, problem: Problem) -> dict[tuple[str, str], float]:
-    """(template, params JSON) -> offline microseconds, from the run that measured most."""
-    df = Leaderboard(results).read()
+def measured_grid(df: pd.DataFrame, problem: Problem) -> tuple[dict[tuple[str, str], float], str | None]:
+    """(template, params JSON) -> offline microseconds, from the run that measured most
+    configurations of the problem; and that run's GPU."""
     rows = df[(df["status"] == "ok") & (df["m"] == problem.m) & (df["n"] == problem.n) & (df["k"] == problem.k)
               & (df["dtype"] == problem.dtype) & (df["layout"] == problem.layout) & df["template"].notna()]
     if rows.empty:
-        return {}
+        return {}, None
     rows = rows[rows["run_id"] == rows["run_id"].value_counts().idxmax()]
     templates = load_templates()
     times: dict[tuple[str, str], float] = {}
@@ -44,7 +47,7 @@ def measured_grid(results: Path, problem: Problem) -> dict[tuple[str, str], floa
         if (params := recorded_params(row, templates)) is not None:
             key = (row["template"], Candidate.from_template(row["template"], params).params_json)
             times[key] = min(times.get(key, math.inf), float(row["offline_us"]))
-    return times
+    return times, rows["gpu"].iloc[0]
 
 
 def replay_search(problem: Problem, times: dict, device: dict, seed: int) -> tuple[int | None, int]:
@@ -76,7 +79,7 @@ def replay_sampler(times: dict, seed: int, sampler: str) -> int:
     keys = list(times)
     if sampler == "random":
         order = random.Random(seed).sample(keys, len(keys))
-        return next(i + 1 for i, key in enumerate(order) if best_possible / min(times[k] for k in order[: i + 1]) >= WITHIN)
+        return next(i + 1 for i, key in enumerate(order) if best_possible / times[key] >= WITHIN)
     import optuna
 
     optuna.logging.set_verbosity(optuna.logging.WARNING)
@@ -109,11 +112,11 @@ def replay_sampler(times: dict, seed: int, sampler: str) -> int:
 def main() -> None:
     results, m, n, k = Path(sys.argv[1]), *map(int, sys.argv[2:5])
     problem = Problem(m, n, k, *(sys.argv[5:7] or ["fp16", "nn"]))
-    times = measured_grid(results, problem)
+    df = Leaderboard(results).read()
+    times, gpu = measured_grid(df, problem)
     if not times:
         sys.exit(f"no measured configurations of {problem} in {results}")
-    device = {"gpu": "NVIDIA H200", "cc": 90, "sm_count": 132, "max_sm_clock_mhz": 1980,
-              "memory_clock_khz": 3201000, "memory_bus_bits": 6016}
+    device = recorded_device(df, gpu)
     print(f"{problem}: {len(times)} configurations, best {min(times.values()):.3f} us")
     seeds = range(10)
     searched = [replay_search(problem, times, device, s) for s in seeds]
