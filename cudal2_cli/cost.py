@@ -20,6 +20,8 @@ from .render import Template, load_templates, recorded_params
 
 LAUNCH_US = 2.0  # a launch and its tail, measured: cuBLAS 64^3 takes ~2-3 us back to back
 OVERLAP_LOSS = 0.25  # share of the shorter of compute and memory time not hidden behind the other
+# Share of the DRAM bandwidth an element-wise copy between unaligned rows reaches (assumed).
+COPY_EFFICIENCY = 0.6
 L2_PER_DRAM = 2.5  # L2-to-SM bandwidth over DRAM bandwidth, roughly, on H100/H200
 # Warps per SM below which an SM cannot keep enough loads in flight to reach the memory
 # bandwidth (Little's law).
@@ -63,7 +65,10 @@ def predict_us(template: Template, params: dict[str, Any], problem: Problem, dev
         memory_s = memory_s / occupancy
     # Compute and memory overlap, but not perfectly: a quarter of the smaller is paid too
     # (this also ranks, among memory-bound configurations, the more efficient one first).
-    return (max(compute_s, memory_s) + OVERLAP_LOSS * min(compute_s, memory_s)) * 1e6 + LAUNCH_US
+    gemm_us = (max(compute_s, memory_s) + OVERLAP_LOSS * min(compute_s, memory_s)) * 1e6 + LAUNCH_US
+    # Passes before or after the GEMM (padded copies of unaligned operands) run on their own.
+    extra_us = float(c["extra_bytes"]) / (COPY_EFFICIENCY * dram_bandwidth(device)) * 1e6
+    return gemm_us + extra_us + int(c["extra_launches"]) * LAUNCH_US
 
 
 def rank(templates: dict[str, Template], problem: Problem, device: dict[str, Any]) -> list[tuple[float, str, dict]]:

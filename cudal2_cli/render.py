@@ -44,6 +44,15 @@ def _compiled(expr: str):
     return compile(expr, "<space.toml>", "eval")
 
 
+def _names(code) -> list[str]:
+    """Every name a compiled expression reads, comprehensions included."""
+    found = list(code.co_names) + list(code.co_varnames)
+    for const in code.co_consts:
+        if hasattr(const, "co_names"):
+            found += _names(const)
+    return found
+
+
 def _evaluate(expr: str, names: dict[str, Any]) -> Any:
     return eval(_compiled(expr), {"__builtins__": {}, "min": min, "max": max}, names)  # trusted: shipped files
 
@@ -139,11 +148,14 @@ class Space:
     def cost_inputs(self, params: dict[str, Any], cc: int, problem: Problem, sm_count: int) -> dict[str, Any]:
         """The [cost] table for one configuration on one problem: tile_m, tile_n,
         ctas_per_sm, efficiency, split_k (default 1), warps per block (optional: enables the
-        occupancy term) and requires (default True; False means it cannot run this shape)."""
-        names = {**self.facts(params, cc), "m": problem.m, "n": problem.n, "k": problem.k, "sm_count": sm_count}
+        occupancy term), requires (default True; False means it cannot run this shape), and
+        extra_bytes / extra_launches (default 0: memory passes around the GEMM, such as
+        copies of operands with unaligned rows)."""
+        names = {**self.facts(params, cc), "m": problem.m, "n": problem.n, "k": problem.k,
+                 "layout": problem.layout, "sm_count": sm_count}
         inputs = {name: _evaluate(expr, names) for name, expr in self.cost.items()}
-        inputs.setdefault("requires", True)
-        inputs.setdefault("split_k", 1)
+        for name, default in (("requires", True), ("split_k", 1), ("extra_bytes", 0), ("extra_launches", 0)):
+            inputs.setdefault(name, default)
         return inputs
 
     def violations(self, params: dict[str, Any], cc: int) -> list[str]:
@@ -175,12 +187,51 @@ class Space:
         return params
 
     def configurations(self, cc: int) -> Iterator[dict[str, Any]]:
-        """Every valid parameter set, in the order of the values lists."""
+        """Every valid parameter set, in the order of the values lists (that of
+        itertools.product). Each constraint is checked as soon as the parameters it reads are
+        chosen, so whole subtrees of the product are skipped, not enumerated."""
         names = list(self.params)
-        for values in itertools.product(*(self.params[n].values for n in names)):
-            params = dict(zip(names, values))
-            if not self.violations(params, cc):
-                yield params
+        depth = {name: i for i, name in enumerate(names)}
+        # Per constraint: the derived values it needs (in file order) and the depth at
+        # which the last of its parameters is chosen.
+        checks: list[list[tuple[str, tuple[str, ...]]]] = [[] for _ in names]
+        for rule in self.constraints:
+            params, derived = self._reads(rule)
+            at = max((depth[n] for n in params), default=0)
+            checks[at].append((rule, tuple(d for d in self.derived if d in derived)))
+        base = {"cc": cc, "max_smem": MAX_SMEM.get(cc, 232448)}
+
+        def holds(rule: str, derived: tuple[str, ...], chosen: dict[str, Any]) -> bool:
+            env = {**base, **chosen}
+            for name in derived:
+                env[name] = _evaluate(self.derived[name], env)
+            return bool(_evaluate(rule, env))
+
+        def walk(i: int, chosen: dict[str, Any]) -> Iterator[dict[str, Any]]:
+            if i == len(names):
+                yield dict(chosen)
+                return
+            for value in self.params[names[i]].values:
+                chosen[names[i]] = value
+                if all(holds(rule, derived, chosen) for rule, derived in checks[i]):
+                    yield from walk(i + 1, chosen)
+            del chosen[names[i]]
+
+        yield from walk(0, {})
+
+    def _reads(self, expr: str) -> tuple[set[str], set[str]]:
+        """(parameters, derived values) an expression reads, through derived values."""
+        params: set[str] = set()
+        derived: set[str] = set()
+        pending = _names(_compiled(expr))
+        while pending:
+            name = pending.pop()
+            if name in self.params:
+                params.add(name)
+            elif name in self.derived and name not in derived:
+                derived.add(name)
+                pending.extend(_names(_compiled(self.derived[name])))
+        return params, derived
 
 
 @dataclass(frozen=True)

@@ -80,7 +80,22 @@ def test_grid_skips_invalid_combinations_and_keeps_valid_ones():
 
 
 def test_space_enumerates_only_valid_configurations():
+    import itertools
+
     space = get_template("sm80_mma").space
     configs = list(space.configurations(90))
     assert configs and all(not space.violations(c, 90) for c in configs)
     assert space.defaults() in configs
+    # Checking each constraint early skips subtrees but keeps every valid point, in order.
+    names = list(space.params)
+    every = (dict(zip(names, values)) for values in itertools.product(*(space.params[n].values for n in names)))
+    assert configs == [c for c in every if not space.violations(c, 90)]
+
+
+def test_stream_k_split_counts_reach_the_scheduler():
+    params = {"tile_n": "128", "tile_scheduler": "streamk", "splits": "8", "reduction": "nondeterministic"}
+    source = render(template_candidate("sm90_cutlass", params, 90), Problem(1, 1, 1, "fp16", "nn"))
+    assert "args.scheduler.splits = 8;" in source and "ReductionMode::Nondeterministic" in source
+    assert "args.scheduler.splits" not in render(template_candidate("sm90_cutlass", {}, 90), Problem(1, 1, 1, "fp16", "nn"))
+    with pytest.raises(Cudal2Error, match="fails tile_scheduler == 'streamk' or"):
+        template_candidate("sm90_cutlass", {"splits": "4"}, 90)  # the persistent scheduler has no splits
