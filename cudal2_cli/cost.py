@@ -68,7 +68,7 @@ def predict_us(template: Template, params: dict[str, Any], problem: Problem, dev
     gemm_us = (max(compute_s, memory_s) + OVERLAP_LOSS * min(compute_s, memory_s)) * 1e6 + LAUNCH_US
     # Passes before or after the GEMM (padded copies of unaligned operands) run on their own.
     extra_us = float(c["extra_bytes"]) / (COPY_EFFICIENCY * dram_bandwidth(device)) * 1e6
-    return gemm_us + extra_us + int(c["extra_launches"]) * LAUNCH_US
+    return gemm_us + extra_us + int(c["extra_launches"]) * LAUNCH_US + float(c["extra_us"])
 
 
 def rank(templates: dict[str, Template], problem: Problem, device: dict[str, Any]) -> list[tuple[float, str, dict]]:

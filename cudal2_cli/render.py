@@ -148,13 +148,15 @@ class Space:
     def cost_inputs(self, params: dict[str, Any], cc: int, problem: Problem, sm_count: int) -> dict[str, Any]:
         """The [cost] table for one configuration on one problem: tile_m, tile_n,
         ctas_per_sm, efficiency, split_k (default 1), warps per block (optional: enables the
-        occupancy term), requires (default True; False means it cannot run this shape), and
+        occupancy term), requires (default True; False means it cannot run this shape),
         extra_bytes / extra_launches (default 0: memory passes around the GEMM, such as
-        copies of operands with unaligned rows)."""
+        copies of operands with unaligned rows) and extra_us (default 0: fixed set-up time
+        per call)."""
         names = {**self.facts(params, cc), "m": problem.m, "n": problem.n, "k": problem.k,
                  "layout": problem.layout, "sm_count": sm_count}
         inputs = {name: _evaluate(expr, names) for name, expr in self.cost.items()}
-        for name, default in (("requires", True), ("split_k", 1), ("extra_bytes", 0), ("extra_launches", 0)):
+        for name, default in (("requires", True), ("split_k", 1), ("extra_bytes", 0), ("extra_launches", 0),
+                              ("extra_us", 0.0)):
             inputs.setdefault(name, default)
         return inputs
 
