@@ -20,8 +20,10 @@ from .render import Template, load_templates, recorded_params
 
 LAUNCH_US = 2.0  # a launch and its tail, measured: cuBLAS 64^3 takes ~2-3 us back to back
 OVERLAP_LOSS = 0.25  # share of the shorter of compute and memory time not hidden behind the other
-# Share of the DRAM bandwidth an element-wise copy between unaligned rows reaches (assumed).
-COPY_EFFICIENCY = 0.6
+# Share of the DRAM bandwidth the copy between unaligned and padded rows reaches: measured
+# on the H200, the copies of A, W and C at 4095x4097x1001 bf16 nt (100 MB moved) took
+# 38.4 us, 2.6 TB/s (docs/h200-2026-11-30.md, fourth round).
+COPY_EFFICIENCY = 0.54
 L2_PER_DRAM = 2.5  # L2-to-SM bandwidth over DRAM bandwidth, roughly, on H100/H200
 # Warps per SM below which an SM cannot keep enough loads in flight to reach the memory
 # bandwidth (Little's law).
@@ -32,6 +34,12 @@ OCCUPANCY_WARPS = 4
 # 162-configuration grids in docs/h200-2026-11-30.md, third round, where the model without
 # it expected gains).
 SPLIT_LOSS = 0.25
+# A split-K reduction in a fixed order (`ordered_reduction` in a template's [cost]) makes each
+# slice of a tile wait for the one before it: a serial chain of fp32 partial-tile reads and
+# writes. Measured on the H200 at 1024x128x16384 (128x64 and 128x128 tiles, 8 and 16 slices,
+# docs/h200-2026-11-30.md, fourth round): ~0.9 us per extra slice per 32 KiB partial tile
+# over the same kernels reducing in arrival order.
+ORDERED_REDUCTION_BYTES_PER_US = 36e3
 # OCCUPANCY_WARPS and SPLIT_LOSS are fitted to the recorded H200 measurements with
 # scripts/cost_check.py (29 problems, in-sample): geometric mean of the best measured among
 # the model's top 1 / top 3 over the best measured 0.963 / 0.986, and on every problem with
@@ -68,7 +76,8 @@ def predict_us(template: Template, params: dict[str, Any], problem: Problem, dev
     gemm_us = (max(compute_s, memory_s) + OVERLAP_LOSS * min(compute_s, memory_s)) * 1e6 + LAUNCH_US
     # Passes before or after the GEMM (padded copies of unaligned operands) run on their own.
     extra_us = float(c["extra_bytes"]) / (COPY_EFFICIENCY * dram_bandwidth(device)) * 1e6
-    return gemm_us + extra_us + int(c["extra_launches"]) * LAUNCH_US + float(c["extra_us"])
+    ordered_us = (split - 1) * tm * tn * 4 / ORDERED_REDUCTION_BYTES_PER_US if c["ordered_reduction"] else 0.0
+    return gemm_us + extra_us + int(c["extra_launches"]) * LAUNCH_US + float(c["extra_us"]) + ordered_us
 
 
 def rank(templates: dict[str, Template], problem: Problem, device: dict[str, Any]) -> list[tuple[float, str, dict]]:

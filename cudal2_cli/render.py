@@ -150,13 +150,14 @@ class Space:
         ctas_per_sm, efficiency, split_k (default 1), warps per block (optional: enables the
         occupancy term), requires (default True; False means it cannot run this shape),
         extra_bytes / extra_launches (default 0: memory passes around the GEMM, such as
-        copies of operands with unaligned rows) and extra_us (default 0: fixed set-up time
-        per call)."""
+        copies of operands with unaligned rows), extra_us (default 0: fixed set-up time
+        per call) and ordered_reduction (default False: split-K slices are summed in a fixed
+        order, one after another)."""
         names = {**self.facts(params, cc), "m": problem.m, "n": problem.n, "k": problem.k,
                  "layout": problem.layout, "sm_count": sm_count}
         inputs = {name: _evaluate(expr, names) for name, expr in self.cost.items()}
         for name, default in (("requires", True), ("split_k", 1), ("extra_bytes", 0), ("extra_launches", 0),
-                              ("extra_us", 0.0)):
+                              ("extra_us", 0.0), ("ordered_reduction", False)):
             inputs.setdefault(name, default)
         return inputs
 
