@@ -75,9 +75,11 @@ def predict_us(template: Template, params: dict[str, Any], problem: Problem, dev
     # (this also ranks, among memory-bound configurations, the more efficient one first).
     gemm_us = (max(compute_s, memory_s) + OVERLAP_LOSS * min(compute_s, memory_s)) * 1e6 + LAUNCH_US
     # Passes before or after the GEMM (padded copies of unaligned operands) run on their own.
-    extra_us = float(c["extra_bytes"]) / (COPY_EFFICIENCY * dram_bandwidth(device)) * 1e6
+    copies_us = float(c["extra_bytes"]) / (COPY_EFFICIENCY * dram_bandwidth(device)) * 1e6
+    copies_us += int(c["extra_launches"]) * LAUNCH_US
+    # Split-K slices summed in a fixed order: each waits for the one before it.
     ordered_us = (split - 1) * tm * tn * 4 / ORDERED_REDUCTION_BYTES_PER_US if c["ordered_reduction"] else 0.0
-    return gemm_us + extra_us + int(c["extra_launches"]) * LAUNCH_US + float(c["extra_us"]) + ordered_us
+    return gemm_us + copies_us + ordered_us + float(c["extra_us"])
 
 
 def rank(templates: dict[str, Template], problem: Problem, device: dict[str, Any]) -> list[tuple[float, str, dict]]:

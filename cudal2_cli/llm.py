@@ -28,7 +28,7 @@ from .config import _coerce, config_table
 from .errors import Cudal2Error
 from .leaderboard import BASELINES
 from .problem import LAYOUT_HELP, Problem
-from .render import MAX_SMEM, Template, bundled_dir, get_template, load_templates, template_candidate
+from .render import Template, bundled_dir, get_template, load_templates, max_smem, template_candidate
 from .verify import physical_floor_us
 
 
@@ -272,7 +272,7 @@ def _template_facts(template: Template, cc: int) -> dict[str, Any]:
         ],
         "derived": list(space.derived.items()),
         "constraints": space.constraints,
-        "max_smem": MAX_SMEM.get(cc, 232448),
+        "max_smem": max_smem(cc),
     }
 
 

@@ -22,6 +22,16 @@ from .problem import Problem
 MAX_SMEM = {80: 166912, 86: 101376, 87: 166912, 89: 101376, 90: 232448, 100: 232448, 120: 101376}
 
 
+def max_smem(cc: int) -> int:
+    """Opt-in shared memory per block of a target (the newest known where cc is not listed)."""
+    return MAX_SMEM.get(cc, 232448)
+
+
+def target_facts(cc: int) -> dict[str, int]:
+    """What constraints may read about the target besides the parameters."""
+    return {"cc": cc, "max_smem": max_smem(cc)}
+
+
 def bundled_dir(name: str) -> Path:
     """A data folder shipped with the package (wheel) or beside it (source checkout)."""
     here = Path(__file__).resolve().parent
@@ -140,7 +150,7 @@ class Space:
 
     def facts(self, params: dict[str, Any], cc: int) -> dict[str, Any]:
         """Parameters plus derived values and target facts, as constraints see them."""
-        names: dict[str, Any] = {**params, "cc": cc, "max_smem": MAX_SMEM.get(cc, 232448)}
+        names: dict[str, Any] = {**params, **target_facts(cc)}
         for name, expr in self.derived.items():
             names[name] = _evaluate(expr, names)
         return names
@@ -202,7 +212,7 @@ class Space:
             params, derived = self._reads(rule)
             at = max((depth[n] for n in params), default=0)
             checks[at].append((rule, tuple(d for d in self.derived if d in derived)))
-        base = {"cc": cc, "max_smem": MAX_SMEM.get(cc, 232448)}
+        base = target_facts(cc)
 
         def holds(rule: str, derived: tuple[str, ...], chosen: dict[str, Any]) -> bool:
             env = {**base, **chosen}
