@@ -161,13 +161,19 @@ class Space:
         occupancy term), requires (default True; False means it cannot run this shape),
         extra_bytes / extra_launches (default 0: memory passes around the GEMM, such as
         copies of operands with unaligned rows), extra_us (default 0: fixed set-up time
-        per call) and ordered_reduction (default False: split-K slices are summed in a fixed
-        order, one after another)."""
+        per call), ordered_reduction (default False: split-K slices are summed in a fixed
+        order, one after another) and slices_wait (default True: the split-K slices of a tile
+        run together and wait for each other; False where they run as independent batches)
+        and exposed_epilogue_bytes (default 0: bytes of a tile's output that its SM stores
+        while no other tile's mainloop runs). A key may read the keys above it in the table."""
         names = {**self.facts(params, cc), "m": problem.m, "n": problem.n, "k": problem.k,
                  "layout": problem.layout, "sm_count": sm_count}
-        inputs = {name: _evaluate(expr, names) for name, expr in self.cost.items()}
+        inputs: dict[str, Any] = {}
+        for name, expr in self.cost.items():  # in file order: a key may read the ones above it
+            inputs[name] = names[name] = _evaluate(expr, names)
         for name, default in (("requires", True), ("split_k", 1), ("extra_bytes", 0), ("extra_launches", 0),
-                              ("extra_us", 0.0), ("ordered_reduction", False)):
+                              ("extra_us", 0.0), ("ordered_reduction", False), ("slices_wait", True),
+                              ("exposed_epilogue_bytes", 0)):
             inputs.setdefault(name, default)
         return inputs
 

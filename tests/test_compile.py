@@ -99,13 +99,18 @@ ptxas info    : Used 200 registers, used 1 barriers
 
 
 def test_cutlass_sm90_template_compiles_with_allowed_imports(compiler):
-    """One CUTLASS 3.x kernel (about 100 s of one core): the representative of its family."""
-    source = render(template_candidate("sm90_cutlass", {}, 90), Problem(1, 1, 1, "fp16", "nn"))
-    build = compiler.compile(source)
-    assert build.status == "ok", build.log[-3000:]
-    assert "cudal2_gemm" in build.exports and "cudal2_workspace_bytes" in build.exports
-    assert build.spill_bytes == 0
-    assert forbidden_imports(build.imports) == []
+    """Two CUTLASS 3.x kernels (about 100 s of one core each, side by side): the default, and
+    the parallel split-K, which adds a batched fp32 GEMM and a second kernel launched with
+    programmatic dependent launch (cudaLaunchKernelEx)."""
+    parallel = {"kernel_schedule": "warpspecialized", "tile_m": "64", "tile_n": "128", "cluster_m": "1",
+                "splits": "8", "reduction": "parallel"}
+    sources = [render(template_candidate("sm90_cutlass", params, 90), Problem(1, 1, 1, dtype, layout))
+               for params, dtype, layout in (({}, "fp16", "nn"), (parallel, "bf16", "nt"))]
+    for build in compiler.compile_all(sources):
+        assert build.status == "ok", build.log[-3000:]
+        assert "cudal2_gemm" in build.exports and "cudal2_workspace_bytes" in build.exports
+        assert build.spill_bytes == 0
+        assert forbidden_imports(build.imports) == []
 
 
 def sample_of_space(template: str, count: int, seed: int) -> list:

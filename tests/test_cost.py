@@ -105,3 +105,30 @@ def test_the_non_persistent_kernel_is_ranked_by_its_waves():
     # 11.57 us at 2048x512x2048 (256 tiles: the persistent ping-pong kernel overlaps them).
     assert us(Problem(512, 1024, 512), "warpspecialized") < us(Problem(512, 1024, 512), "pingpong")
     assert us(Problem(2048, 512, 2048), "warpspecialized") > us(Problem(2048, 512, 2048), "pingpong")
+
+
+def test_ping_pong_hides_the_epilogue_where_k_is_short():
+    # Measured on the H200: at 12288x8192x512 (3072 tiles of 128x256, K = 8 K tiles) ping-pong
+    # 128x128 with a 2x1 cluster took 154.4 us, cooperative 128x256 174.7 us (it stores each
+    # tile while its SM waits); at 4096^3 ping-pong ran at 0.959x cuBLAS, cooperative at 0.989x.
+    template = get_template("sm90_cutlass")
+    pingpong, cooperative = sm90(kernel_schedule="pingpong", tile_n=128), sm90()
+    short_k, square = Problem(12288, 8192, 512), Problem(4096, 4096, 4096)
+    assert predict_us(template, pingpong, short_k, H200) < predict_us(template, cooperative, short_k, H200)
+    assert predict_us(template, cooperative, square, H200) < predict_us(template, pingpong, square, H200)
+
+
+def test_parallel_split_k_slices_do_not_wait_and_rank_ahead_of_stream_k():
+    # Measured on the H200 at 1024x128x16384: the parallel split-K (non-persistent 64x128x128,
+    # 8 slices) 13.6 us; stream-K split-K 8 (128x64, slices summed as they arrive) 16.8 us.
+    skinny, template = Problem(1024, 128, 16384), get_template("sm90_cutlass")
+    parallel = sm90(kernel_schedule="warpspecialized", tile_m=64, tile_n=128, tile_k=128, cluster_m=1,
+                    splits=8, reduction="parallel")
+    streamk = sm90(tile_n=64, cluster_m=1, tile_scheduler="streamk", splits=8, reduction="nondeterministic")
+    assert predict_us(template, parallel, skinny, H200) < predict_us(template, streamk, skinny, H200)
+    # Its slices follow the kernel's rule: powers of two that cut K into multiples of 8 of at
+    # least one K tile; K not a multiple of 8 runs in one slice.
+    def slices(k):
+        return template.space.cost_inputs(parallel, 90, Problem(1024, 128, k), 132)["split_k"]
+    assert [slices(k) for k in (16384, 1024, 520, 8200, 1001)] == [8, 8, 1, 1, 1]
+    assert slices(384) == 2  # 384 / 128: three K tiles, two slices of 192

@@ -16,7 +16,7 @@ from cudal2_cli.config import Settings
 from cudal2_cli.leaderboard import BASELINES, Leaderboard
 from cudal2_cli.pipeline import Context, evaluate, measure_baselines
 from cudal2_cli.problem import Problem
-from cudal2_cli.render import render, template_candidate
+from cudal2_cli.render import get_template, render, template_candidate
 from cudal2_cli.verify import Kernel, Numerics, Operands, compare, trusted_error
 from cudal2_cli.worker import Worker, cublas_gemm
 
@@ -65,17 +65,23 @@ def test_sm80_template_is_correct_on_odd_shapes(compiler, dtype, layout):
 
 
 SM90_SHAPES = ((4096, 4096, 4096), (1, 4096, 4096), (8, 8, 8), (3000, 24, 16), (777, 1112, 8200),
-               (257, 4104, 520), (1000, 1000, 1000),
+               (257, 4104, 520), (1000, 1000, 1000), (129, 1000, 2048),
                # rows TMA cannot load as given (K or N not a multiple of 8): padded copies
                (128, 128, 1001), (128, 1001, 128), (65, 127, 63), (1, 1, 1), (4095, 4097, 1001))
 
 
 VARIANTS = [("fp16", "nn"), ("bf16", "nt"), ("fp16", "nt"), ("bf16", "nn")]
-# Besides the default: split-K through the stream-K scheduler, slices summed as they arrive,
-# and CUTLASS's own stream-K heuristic with the deterministic (ordered) reduction.
+# Besides the default: split-K through the stream-K scheduler, slices summed as they arrive;
+# CUTLASS's own stream-K heuristic with the deterministic (ordered) reduction; and the parallel
+# split-K (slices as batches, summed by a second kernel) on the non-persistent and the
+# persistent cooperative kernel. K = 4096 and 2048 run there in 8 and 4 slices, K = 8200 and
+# 520 (K / 8 odd) and K % 8 in one.
 SM90_CONFIGS = [({}, v) for v in VARIANTS] + [
     ({"tile_n": "128", "tile_scheduler": "streamk", "splits": "4", "reduction": "nondeterministic"}, ("fp16", "nn")),
     ({"tile_n": "128", "tile_scheduler": "streamk"}, ("bf16", "nt")),
+    ({"kernel_schedule": "warpspecialized", "tile_m": "64", "tile_n": "128", "cluster_m": "1", "splits": "8",
+      "reduction": "parallel"}, ("fp16", "nn")),
+    ({"tile_n": "128", "splits": "4", "reduction": "parallel"}, ("bf16", "nt")),
 ]
 
 
@@ -99,6 +105,16 @@ def test_sm90_cutlass_is_correct_on_odd_and_unaligned_shapes(sm90_builds, index)
     with stream:
         for m, n, k in SM90_SHAPES:
             problem = Problem(m, n, k, dtype, layout)
+            if dict(cand.params)["reduction"] == "parallel" and k % 8 == 0 and n % 8 == 0:
+                # The kernel cuts K into as many slices as the cost model prices: its workspace
+                # (no padded copies here) is exactly their fp32 partial sums.
+                device = {"cc": gpu_cc(), "sm_count": 132}
+                slices = get_template("sm90_cutlass").space.cost_inputs(dict(cand.params), device["cc"], problem,
+                                                                        device["sm_count"])["split_k"]
+                expected = -(-slices * m * n * 4 // 256) * 256
+                if kernel.workspace_bytes(m, n, k) != expected:
+                    failures.append(f"{cand} {problem}: workspace {kernel.workspace_bytes(m, n, k)}, "
+                                    f"not {slices} slices ({expected})")
             ops = Operands(problem, kernel.workspace_bytes(m, n, k), num)
             ops.fill("normal", rng)
             ops.poison(rng)

@@ -1,3 +1,5 @@
+import re
+
 import pytest
 
 from cudal2_cli.candidate import Candidate
@@ -99,3 +101,21 @@ def test_stream_k_split_counts_reach_the_scheduler():
     assert "args.scheduler.splits" not in render(template_candidate("sm90_cutlass", {}, 90), Problem(1, 1, 1, "fp16", "nn"))
     with pytest.raises(Cudal2Error, match="fails tile_scheduler == 'streamk' or"):
         template_candidate("sm90_cutlass", {"splits": "4"}, 90)  # the persistent scheduler has no splits
+
+
+def test_parallel_split_k_runs_slices_as_batches_and_sums_them_in_a_second_kernel():
+    params = {"kernel_schedule": "warpspecialized", "tile_m": "64", "tile_n": "128", "cluster_m": "1",
+              "splits": "8", "reduction": "parallel"}
+    source = render(template_candidate("sm90_cutlass", params, 90), Problem(1, 1, 1, "fp16", "nn"))
+    assert "using ElementD = float;" in source  # the slices' partial sums stay fp32
+    assert "constexpr int kSplits = 8;" in source and "launch_sum(" in source
+    assert "cudaLaunchAttributeProgrammaticStreamSerialization" in source
+    plain = render(template_candidate("sm90_cutlass", {}, 90), Problem(1, 1, 1, "fp16", "nn"))
+    assert "using ElementD = Element;" in plain and "sum_slices" not in plain and "GDC" not in plain
+    # Slices are batches of the persistent or non-persistent kernel, never stream-K's, and
+    # there are at least two of them.
+    for wrong, rule in (({"tile_scheduler": "streamk"}, "reduction != 'parallel' or tile_scheduler"),
+                        ({"splits": "1"}, "fails tile_scheduler == 'streamk' or"),
+                        ({"raster_order": "along_m"}, "raster_order == 'heuristic'")):
+        with pytest.raises(Cudal2Error, match=re.escape(rule)):
+            template_candidate("sm90_cutlass", {**params, **wrong}, 90)
