@@ -63,3 +63,24 @@ def test_sources_are_stored_by_content_hash(tmp_path):
     assert lb.store_source("__global__ void k() {}") == digest
     assert lb.source(digest) == "__global__ void k() {}"
     assert os.listdir(tmp_path / "sources") == [f"{digest}.cu"]
+
+
+def test_reference_check_reports_both_cublas_references(tmp_path):
+    """scripts/reference_check.py: the best kernel per shape against cuBLAS timed beside it
+    (the recorded speedup) and against the baselines job's cuBLAS of the same run."""
+    import subprocess
+    import sys
+
+    from conftest import ROOT
+
+    lb = Leaderboard(tmp_path / "results")
+    # cuBLAS 10 us in the baselines job, 11 us beside the kernel (10.5 us): 1.048x recorded, 0.952x apart.
+    lb.append([row("cuBLAS", 1.0, offline_us=10.0, template=None),
+               row("k", 11.0 / 10.5, offline_us=10.5, cublas_offline_us=11.0, template="sm90_cutlass")])
+    shapes = tmp_path / "shapes.csv"
+    shapes.write_text("m,n,k,dtype,layout,group\n4096,4096,4096,fp16,nn,square\n")
+    out = subprocess.run([sys.executable, str(ROOT / "scripts" / "reference_check.py"), str(shapes),
+                          str(tmp_path / "results")], capture_output=True, text=True, check=True,
+                         env={**os.environ, "PYTHONPATH": str(ROOT)}).stdout
+    assert "4096x4096x4096 fp16 nn: beside the kernel 1.048, baselines job 0.952" in out
+    assert "1 rows: geometric mean 1.048 (minimum 1.048)" in out and "0.952 (minimum 0.952)" in out

@@ -1,0 +1,43 @@
+"""Two cuBLAS references for the same runs: per dev-set row, the best kernel's speedup as the
+bench records it (cuBLAS timed beside the kernel, in the kernel's job) and against the cuBLAS
+of that run's baselines job (cuBLAS timed beside torch.matmul on plain operands).
+
+    python scripts/reference_check.py [SHAPES_CSV] [RESULTS_DIR] [GPU]
+      (default: ../shared/shapes/dev.csv, results, NVIDIA H200)
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+from pathlib import Path
+
+import pandas as pd
+
+from cudal2_cli.leaderboard import Leaderboard
+
+shapes = pd.read_csv(sys.argv[1] if len(sys.argv) > 1 else "../shared/shapes/dev.csv")
+df = Leaderboard(Path(sys.argv[2] if len(sys.argv) > 2 else "results")).read()
+gpu = sys.argv[3] if len(sys.argv) > 3 else "NVIDIA H200"
+df = df[(df["status"] == "ok") & (df["gpu"] == gpu)].reset_index(drop=True)
+baselines_job = df[df["kernel"] == "cuBLAS"].groupby("run_id")["offline_us"].first()
+paired, apart = [], []
+for row in shapes.itertuples():
+    mine = df[(df["m"] == row.m) & (df["n"] == row.n) & (df["k"] == row.k) & (df["dtype"] == row.dtype)
+              & (df["layout"] == row.layout) & df["template"].notna() & df["speedup_offline"].notna()].copy()
+    if mine.empty:
+        continue
+    mine["apart"] = mine["run_id"].map(baselines_job) / mine["offline_us"]
+    best, best_apart = mine["speedup_offline"].max(), mine["apart"].max()
+    paired.append(best)
+    apart.append(best_apart)
+    print(f"{row.m}x{row.n}x{row.k} {row.dtype} {row.layout}: beside the kernel {best:.3f}, "
+          f"baselines job {best_apart:.3f}")
+
+
+def geomean(values: list[float]) -> float:
+    return math.exp(sum(map(math.log, values)) / len(values))
+
+
+print(f"{len(paired)} rows: geometric mean {geomean(paired):.3f} (minimum {min(paired):.3f}) against cuBLAS timed "
+      f"beside the kernel, {geomean(apart):.3f} (minimum {min(apart):.3f}) against the baselines job's cuBLAS")
