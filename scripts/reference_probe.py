@@ -1,7 +1,9 @@
 """On a GPU: where the two cuBLAS timings of a bench process part (scripts/reference_check.py).
-In single bench() calls at one shape, cuBLAS on plain CuPy arrays beside: cuBLAS on the
-verifier's guard-banded operands; the same with C and a workspace poisoned before each batch
-(as a kernel's job does); and a kernel of the template space (poisoned the same way).
+First, in single bench() calls at one shape, cuBLAS on plain CuPy arrays beside: cuBLAS on
+the verifier's guard-banded operands; the same with C and a workspace poisoned before each
+batch (as a kernel's job does); and a kernel of the template space (poisoned the same way).
+Then the worker's own jobs in turn, as `cudal2 bench` runs them (budget 0.2 s): baselines,
+the kernel's job, and the kernel's job with verify() skipped; the cuBLAS each one times.
 
     python scripts/reference_probe.py [M N K DTYPE LAYOUT TEMPLATE k=v ...]
       (default: 1024 128 16384 fp16 nn, the parallel split-K 64x128x128 with 8 slices)
@@ -64,3 +66,21 @@ with stream:
                             before=before, seed=repeat)
             print(json.dumps({"problem": str(problem), "pair": list(pair),
                               "median_us": {name: round(t.median_us, 3) for name, t in timings.items()}}), flush=True)
+
+# The worker's jobs, in one process as in a bench run; "kernel, no verify" skips verify().
+import cudal2_cli.verify as verify_module  # noqa: E402
+from cudal2_cli.environment import describe_device  # noqa: E402
+from cudal2_cli.worker import _baselines_job, _kernel_job  # noqa: E402
+
+environment = describe_device(0)
+job = {"problem": {"m": problem.m, "n": problem.n, "k": problem.k, "dtype": problem.dtype, "layout": problem.layout},
+       "settings": {"mode": "offline", "budget_s": 0.2, "qps": 200.0}, "library": str(build.library)}
+real_verify = verify_module.verify
+for step in ("baselines", "kernel", "kernel, no verify", "baselines", "kernel", "kernel, no verify", "baselines"):
+    verify_module.verify = real_verify if step != "kernel, no verify" else (
+        lambda *args, **kwargs: verify_module.Verdict("ok", max_error=0.0, tolerance=0.0))
+    result = (_baselines_job if step == "baselines" else _kernel_job)({**job, "op": step.split(",")[0]}, environment)
+    timings = result["timings"]["offline"]
+    print(json.dumps({"problem": str(problem), "job": step,
+                      "median_us": {name: round(t["median_us"], 3) for name, t in timings.items()}}), flush=True)
+verify_module.verify = real_verify
