@@ -1,6 +1,6 @@
 """Two cuBLAS references for the same runs: per dev-set row, the best kernel's speedup as the
 bench records it (cuBLAS timed beside the kernel, in the kernel's job) and against the cuBLAS
-of that run's baselines job (cuBLAS timed beside torch.matmul on plain operands).
+of that run's baselines job (timed first in the process, beside torch.matmul).
 
     python scripts/reference_check.py [SHAPES_CSV] [RESULTS_DIR] [GPU]
       (default: ../shared/shapes/dev.csv, results, NVIDIA H200)
