@@ -81,12 +81,13 @@ def predict_us(template: Template, params: dict[str, Any], problem: Problem, dev
     # Compute and memory overlap, but not perfectly: a quarter of the smaller is paid too
     # (this also ranks, among memory-bound configurations, the more efficient one first).
     gemm_us = (max(compute_s, memory_s) + OVERLAP_LOSS * min(compute_s, memory_s)) * 1e6 + LAUNCH_US
-    # Passes before or after the GEMM (padded copies of unaligned operands) run on their own.
-    copies_us = float(c["extra_bytes"]) / (COPY_EFFICIENCY * dram_bandwidth(device)) * 1e6
-    copies_us += int(c["extra_launches"]) * LAUNCH_US
+    # Passes before or after the GEMM (padded copies of unaligned operands, the sum of
+    # parallel split-K slices) run on their own.
+    passes_us = float(c["extra_bytes"]) / (COPY_EFFICIENCY * dram_bandwidth(device)) * 1e6
+    passes_us += int(c["extra_launches"]) * LAUNCH_US
     # Split-K slices summed in a fixed order: each waits for the one before it.
     ordered_us = (split - 1) * tm * tn * 4 / ORDERED_REDUCTION_BYTES_PER_US if c["ordered_reduction"] else 0.0
-    return gemm_us + copies_us + ordered_us + float(c["extra_us"])
+    return gemm_us + passes_us + ordered_us + float(c["extra_us"])
 
 
 def rank(templates: dict[str, Template], problem: Problem, device: dict[str, Any]) -> list[tuple[float, str, dict]]:

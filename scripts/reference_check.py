@@ -12,28 +12,24 @@ import math
 import sys
 from pathlib import Path
 
-import pandas as pd
+from cudal2_cli.cli import read_shapes
+from cudal2_cli.leaderboard import Leaderboard, select
 
-from cudal2_cli.leaderboard import Leaderboard
-
-shapes = pd.read_csv(sys.argv[1] if len(sys.argv) > 1 else "../shared/shapes/dev.csv")
+problems = read_shapes(Path(sys.argv[1] if len(sys.argv) > 1 else "../shared/shapes/dev.csv"))
 df = Leaderboard(Path(sys.argv[2] if len(sys.argv) > 2 else "results")).read()
 gpu = sys.argv[3] if len(sys.argv) > 3 else "NVIDIA H200"
 df = df[(df["status"] == "ok") & (df["gpu"] == gpu)].reset_index(drop=True)
 baselines_job = df[df["kernel"] == "cuBLAS"].groupby("run_id")["offline_us"].first()
+kernels = df[df["template"].notna() & df["speedup_offline"].notna()]
 paired, apart = [], []
-for row in shapes.itertuples():
-    mine = df[(df["m"] == row.m) & (df["n"] == row.n) & (df["k"] == row.k) & (df["dtype"] == row.dtype)
-              & (df["layout"] == row.layout) & df["template"].notna() & df["speedup_offline"].notna()].copy()
+for p in problems:
+    mine = select(kernels, m=p.m, n=p.n, k=p.k, dtype=p.dtype, layout=p.layout)
     if mine.empty:
         continue
-    mine["apart"] = mine["run_id"].map(baselines_job) / mine["offline_us"]
-    best, best_apart = mine["speedup_offline"].max(), mine["apart"].max()
+    best, best_apart = mine["speedup_offline"].max(), (mine["run_id"].map(baselines_job) / mine["offline_us"]).max()
     paired.append(best)
     apart.append(best_apart)
-    print(f"{row.m}x{row.n}x{row.k} {row.dtype} {row.layout}: beside the kernel {best:.3f}, "
-          f"baselines job {best_apart:.3f}")
-
+    print(f"{p.m}x{p.n}x{p.k} {p.dtype} {p.layout}: beside the kernel {best:.3f}, baselines job {best_apart:.3f}")
 
 def geomean(values: list[float]) -> float:
     return math.exp(sum(map(math.log, values)) / len(values))

@@ -17,19 +17,21 @@ import sys
 
 import cupy
 
+import cudal2_cli.verify as verify_module
 from cudal2_cli.bench import bench
 from cudal2_cli.compile import Compiler
+from cudal2_cli.environment import default_arch, describe_device
 from cudal2_cli.problem import Problem
 from cudal2_cli.render import render, template_candidate
 from cudal2_cli.verify import Kernel, Numerics, Operands
-from cudal2_cli.worker import cublas_gemm
+from cudal2_cli.worker import _baselines_job, _kernel_job, cublas_gemm
 
 args = sys.argv[1:] or ["1024", "128", "16384", "fp16", "nn", "sm90_cutlass", "kernel_schedule=warpspecialized",
                         "tile_m=64", "tile_n=128", "tile_k=128", "cluster_m=1", "splits=8", "reduction=parallel"]
 problem = Problem(int(args[0]), int(args[1]), int(args[2]), args[3], args[4])
 params = dict(a.split("=", 1) for a in args[6:])
 cc = int(cupy.cuda.Device().compute_capability)
-build = Compiler(f"sm_{cc}a" if cc == 90 else f"sm_{cc}").compile(
+build = Compiler(default_arch(cc)).compile(
     render(template_candidate(args[5], params, cc), problem))
 assert build.status == "ok", build.log[-2000:]
 kernel = Kernel(str(build.library))
@@ -38,12 +40,10 @@ stream = cupy.cuda.Stream(non_blocking=True)
 num = Numerics(problem.dtype)
 with stream:
     gemm = cublas_gemm(problem, stream)
-    guarded = Operands(problem, kernel.workspace_bytes(problem.m, problem.n, problem.k), num)
-    guarded.fill("normal", rng)
-    poisoned = Operands(problem, kernel.workspace_bytes(problem.m, problem.n, problem.k), num)
-    poisoned.fill("normal", rng)
-    mine = Operands(problem, kernel.workspace_bytes(problem.m, problem.n, problem.k), num)
-    mine.fill("normal", rng)
+    workspace = kernel.workspace_bytes(problem.m, problem.n, problem.k)
+    guarded, poisoned, mine = (Operands(problem, workspace, num) for _ in range(3))
+    for ops in (guarded, poisoned, mine):
+        ops.fill("normal", rng)
     a, b = guarded.a.copy(), guarded.b.copy()
     out, out_g = cupy.empty_like(guarded.c), cupy.empty_like(guarded.c)
     launches = {
@@ -68,10 +68,6 @@ with stream:
                               "median_us": {name: round(t.median_us, 3) for name, t in timings.items()}}), flush=True)
 
 # The worker's jobs, in one process as in a bench run; "kernel, no verify" skips verify().
-import cudal2_cli.verify as verify_module  # noqa: E402
-from cudal2_cli.environment import describe_device  # noqa: E402
-from cudal2_cli.worker import _baselines_job, _kernel_job  # noqa: E402
-
 environment = describe_device(0)
 job = {"problem": {"m": problem.m, "n": problem.n, "k": problem.k, "dtype": problem.dtype, "layout": problem.layout},
        "settings": {"mode": "offline", "budget_s": 0.2, "qps": 200.0}, "library": str(build.library)}
