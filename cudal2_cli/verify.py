@@ -129,6 +129,11 @@ class Numerics:
         return x.astype(self.cp.float32) if self.dtype == "fp16" else self._from_bf16(x)
 
 
+def poison_output(c) -> None:
+    """NaN in every element of C (0xFFFF is NaN in fp16 and bf16)."""
+    c.view("uint8").fill(0xFF)
+
+
 class Operands:
     """A, B, C and the workspace of one shape, each in its own guard-banded allocation.
 
@@ -198,7 +203,7 @@ class Operands:
 
     def poison(self, rng) -> None:
         """NaN in every element of C (0xFFFF is NaN in fp16 and bf16); random workspace."""
-        self.c.view(self.cp.uint8).fill(0xFF)
+        poison_output(self.c)
         self.ws[...] = self.cp.random.randint(0, 256, self.ws.shape, dtype=self.cp.uint8)
 
     def call(self, kernel: Kernel, stream, shape: Problem | None = None) -> int:

@@ -188,22 +188,26 @@ def _settings_modes(job) -> list[str]:
     return ["offline", "server"] if mode == "both" else [mode]
 
 
-def _bench_all(launches, ops_by_name, refs, job, environment, stream, num, rng) -> dict[str, Any]:
-    """Bench `launches` in each requested mode; the outputs are poisoned before and
-    checked after every batch, so a kernel that behaves differently while timed is caught."""
+def _bench_all(launches, outputs, ref, job, environment, stream, num, rng) -> dict[str, Any]:
+    """Bench `launches` in each requested mode. Every contestant's output (`outputs[name]`)
+    is poisoned before and checked against `ref` after every batch, so a kernel that behaves
+    differently while timed is caught. Only outputs are poisoned, the same way for all: a
+    kernel's workspace is as its last call left it (verify() calls it on random workspaces).
+    Refilling it before each batch charged the kernel alone for the writes, and proved
+    nothing: every call of a batch after the first sees what the call before it left."""
     import cupy
 
     from .bench import bench
-    from .verify import Rejected, compare
+    from .verify import Rejected, compare, poison_output
 
     settings = job["settings"]
     l2 = cupy.empty(2 * environment["l2_bytes"], dtype=cupy.uint8)
 
     def before(name: str) -> None:
-        ops_by_name[name].poison(rng)
+        poison_output(outputs[name])
 
     def after(name: str) -> None:
-        _, _, why = compare(ops_by_name[name].c if name == "kernel" else refs[name][1], refs[name][0], num)
+        _, _, why = compare(outputs[name], ref, num)
         if why:
             raise Rejected("cheat" if name == "kernel" else "wrong",
                            f"output of timed calls differs from the verified result ({why})")
@@ -243,9 +247,7 @@ def _kernel_job(job: dict[str, Any], environment: dict[str, Any]) -> dict[str, A
         out = cupy.empty_like(ops.c)
         launches = {"kernel": lambda: ops.call(kernel, stream), "cuBLAS": lambda: gemm(ops.a, ops.b, out)}
         try:
-            timings = _bench_all(launches, {"kernel": ops, "cuBLAS": _NoPoison()},
-                                 {"kernel": (ref, None), "cuBLAS": (ref, out)},
-                                 job, environment, stream, num, rng)
+            timings = _bench_all(launches, {"kernel": ops.c, "cuBLAS": out}, ref, job, environment, stream, num, rng)
         except Rejected as r:
             return {**result, "status": r.status, "error": str(r)}
     for mode, entries in timings.items():
@@ -255,11 +257,6 @@ def _kernel_job(job: dict[str, Any], environment: dict[str, Any]) -> dict[str, A
                 f"{mode} time {entries['kernel']['median_us']:.2f} us is below the physical limit "
                 f"{floor:.2f} us of this GPU")}
     return {**result, "timings": timings}
-
-
-class _NoPoison:
-    def poison(self, rng) -> None:  # baseline outputs need no poisoning: they are trusted
-        pass
 
 
 def _baselines_job(job: dict[str, Any], environment: dict[str, Any]) -> dict[str, Any]:
@@ -283,7 +280,5 @@ def _baselines_job(job: dict[str, Any], environment: dict[str, Any]) -> dict[str
             run(ops.a, ops.b, outs[name])
             errors[name] = compare(outs[name], ref, num)[:2]
         launches = {name: (lambda run=run, out=outs[name]: run(ops.a, ops.b, out)) for name, run in runners.items()}
-        timings = _bench_all(launches, {name: _NoPoison() for name in runners},
-                             {name: (ref, outs[name]) for name in runners},
-                             job, environment, stream, num, rng)
+        timings = _bench_all(launches, outs, ref, job, environment, stream, num, rng)
     return {"status": "ok", "errors": errors, "timings": timings}

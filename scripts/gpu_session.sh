@@ -15,7 +15,8 @@
 #     stream-K) at 4096^3 and 8192^3 fp16 nn
 #   scripts/gpu_session.sh small   -> sm80_mma small tiles and split-K on small and skinny shapes
 #   scripts/gpu_session.sh devset-grids -> scripts/devset_grids.txt (or GRIDS=FILE): dev-set
-#     rows over fixed grids
+#     rows over fixed grids (log: <grids file name>.jsonl; precompile with
+#     scripts/precompile_grids.py FILE first)
 #   scripts/gpu_session.sh search-vs-exhaustive -> scripts/search_target.txt: per problem, the
 #     grid searched by `cudal2 optimize --template --param` from an empty compile cache, then
 #     measured whole, then searched again with the cache warm (one JSON line per call;
@@ -53,7 +54,7 @@ for stage in "$@"; do
         cudal2 bench --m "$m" --n "$n" --k "$k" --dtype "$dtype" --layout "$layout" --budget 0.2 \
           --results "$results" --template "$template" $(params "$grid") --json \
           | oneline
-      done 2>&1 | tee "$out/devset-grids.jsonl" ;;
+      done 2>&1 | tee "$out/$(basename "${GRIDS:-devset_grids.txt}" .txt).jsonl" ;;
     search-vs-exhaustive)
       grep -v '^#' scripts/search_target.txt | sed -n "${SEARCH_ROWS:-p}" \
         | while read -r m n k dtype layout template grid; do

@@ -3,7 +3,7 @@ process part because of the order of its jobs (scripts/reference_check.py).
 
 Per line of SPEC_FILE (`M N K DTYPE LAYOUT TEMPLATE k=v ...`):
 
-1. One bench() call (offline, no poisoning) over: cuBLAS, the kernel, a one-thread empty
+1. bench() (offline, fenced=False: truly back to back, no poisoning) over: cuBLAS, the kernel, a one-thread empty
    `fence` kernel, and each of the first two followed by the fence. A launch that overlaps
    the one before it (programmatic dependent launch) loses that overlap when the fence
    stands between them: `chain_cost` = t(x + fence) - t(fence) - t(x) is ~0 for a launch
@@ -83,7 +83,7 @@ def main(spec_path: str, rounds: int) -> None:
                 launches[f"{name} + fence"] = lambda run=launches[name]: (run(), launches["fence"]())
             for repeat in range(2):
                 t = {name: timing.median_us for name, timing in
-                     bench(launches, stream=stream, budget_s=2.0, seed=repeat).items()}
+                     bench(launches, stream=stream, budget_s=2.0, seed=repeat, fenced=False).items()}
                 chain = {name: round(t[f"{name} + fence"] - t["fence"] - t[name], 3) for name in ["cuBLAS", *kernels]}
                 print(json.dumps({"problem": str(problem), "spec": " ".join(spec[5:]), "part": "chain",
                                   "median_us": {name: round(v, 3) for name, v in t.items()},
