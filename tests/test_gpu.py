@@ -127,6 +127,64 @@ def test_sm90_cutlass_is_correct_on_odd_and_unaligned_shapes(sm90_builds, index)
     assert not failures, "\n".join(failures)
 
 
+# Kernels launched with programmatic dependent launch: the sm90 default and parallel split-K
+# (SM90_CONFIGS), and sm80_mma (built for sm_90 it is launched so too).
+CHAINED = [("sm90_cutlass", {}), ("sm90_cutlass", SM90_CONFIGS[-2][0]), ("sm80_mma", {})]
+
+
+@pytest.mark.parametrize("template, params", CHAINED, ids=["sm90", "sm90-parallel", "sm80"])
+def test_a_kernel_launched_early_reads_all_of_its_predecessors_output(compiler, template, params):
+    """Two calls back to back on one stream, the second multiplying the first's output: the
+    second is launched while the first may still run (PDL), and must wait for all of C1."""
+    import cupy
+
+    if template == "sm90_cutlass" and gpu_cc() != 90:
+        pytest.skip("sm90_cutlass runs on compute capability 9.0")
+    failures = []
+    for size in (2048, 1001):  # aligned rows (TMA reads C1 directly), unaligned (padded copies)
+        problem = Problem(size, size, size, "fp16", "nn")
+        build = compiler.compile(render(template_candidate(template, params, gpu_cc()), problem))
+        assert build.status == "ok", build.log[-3000:]
+        kernel, num, rng = Kernel(str(build.library)), Numerics("fp16"), random.Random(3)
+        stream = cupy.cuda.Stream(non_blocking=True)
+        with stream:
+            ws = kernel.workspace_bytes(size, size, size)
+            first, second = Operands(problem, ws, num), Operands(problem, ws, num)
+            first.fill("normal", rng)
+            second.fill("normal", rng)
+            for _ in range(3):
+                first.poison(rng)
+                second.poison(rng)
+                stream.synchronize()
+                codes = [first.call(kernel, stream),
+                         kernel.gemm(first.c.data.ptr, second.b.data.ptr, second.c.data.ptr, size, size, size,
+                                     second.ws.data.ptr, second.ws_bytes, stream.ptr)]
+                stream.synchronize()
+                second.a[...] = first.c  # what the second call should have read
+                ref = second.reference()
+                _, _, why = compare(second.c, ref, num, trusted_error(second, ref, cublas_gemm(problem, stream)))
+                if codes != [0, 0] or why:
+                    failures.append(f"{template} {params} {problem}: codes {codes} {why}")
+    assert not failures, "\n".join(failures)
+
+
+def test_fenced_bench_reads_the_device_time_of_a_launch():
+    """Offline timing of kernels that busy-wait a known time: the fence after each launch and
+    the launch gaps are not in it. (A busy-wait reads the GPU's global timer, which ticks
+    about once a microsecond: first measured 11.67 and 21.66 us for 10 and 20.)"""
+    import cupy
+
+    from cudal2_cli.bench import SPIN_SOURCE, bench
+
+    spin = cupy.RawKernel(SPIN_SOURCE, "cudal2_spin")
+    stream = cupy.cuda.Stream(non_blocking=True)
+    launches = {f"{us} us": (lambda us=us: spin((1,), (1,), (cupy.uint64(us * 1000),), stream=stream))
+                for us in (10, 20)}
+    timings = bench(launches, stream=stream, budget_s=0.5)
+    assert 10.0 < timings["10 us"].median_us < 12.0, timings
+    assert timings["20 us"].median_us - timings["10 us"].median_us == pytest.approx(10.0, abs=0.3), timings
+
+
 @pytest.fixture
 def context(tmp_path, compiler):
     def make(problem: Problem, timeout: float = 120.0) -> Context:

@@ -111,7 +111,7 @@ def test_parallel_split_k_runs_slices_as_batches_and_sums_them_in_a_second_kerne
     assert "constexpr int kSplits = 8;" in source and "launch_sum(" in source
     assert "cudaLaunchAttributeProgrammaticStreamSerialization" in source
     plain = render(template_candidate("sm90_cutlass", {}, 90), Problem(1, 1, 1, "fp16", "nn"))
-    assert "using ElementD = Element;" in plain and "sum_slices" not in plain and "GDC" not in plain
+    assert "using ElementD = Element;" in plain and "sum_slices" not in plain
     # Slices are batches of the persistent or non-persistent kernel, never stream-K's, and
     # there are at least two of them.
     for wrong, rule in (({"tile_scheduler": "streamk"}, "reduction != 'parallel' or tile_scheduler"),
@@ -119,3 +119,21 @@ def test_parallel_split_k_runs_slices_as_batches_and_sums_them_in_a_second_kerne
                         ({"raster_order": "along_m"}, "raster_order == 'heuristic'")):
         with pytest.raises(Cudal2Error, match=re.escape(rule)):
             template_candidate("sm90_cutlass", {**params, **wrong}, 90)
+
+
+def test_kernels_launch_early_but_wait_for_their_predecessor_except_stream_k():
+    """Programmatic dependent launch: every sm90 kernel but stream-K's (whose tile counters a
+    memset zeroes just before the launch) and sm80_mma built for sm_90 may start before the
+    kernel ahead finishes; each waits (griddepcontrol.wait) before touching memory."""
+    problem = Problem(1, 1, 1, "fp16", "nn")
+    for params in ({}, {"kernel_schedule": "pingpong", "tile_n": "128"}, {"kernel_schedule": "warpspecialized", "tile_m": "64", "tile_n": "128"},
+                   {"tile_n": "128", "splits": "4", "reduction": "parallel"}):
+        source = render(template_candidate("sm90_cutlass", params, 90), problem)
+        assert "#define CUTLASS_ENABLE_GDC_FOR_SM90 1" in source, params
+        assert "/*launch_with_pdl=*/true" in source, params
+    streamk = render(template_candidate("sm90_cutlass", {"tile_scheduler": "streamk"}, 90), problem)
+    assert "CUTLASS_ENABLE_GDC_FOR_SM90 1" not in streamk and "launch_with_pdl" not in streamk
+    sm80 = render(template_candidate("sm80_mma", {}, 90), problem)
+    body = sm80[sm80.index("gemm_kernel(const Element*"):]
+    assert body.index("griddepcontrol.wait") < body.index("cur_a(")  # before the first load
+    assert "binaryVersion >= 90" in sm80 and "cudaLaunchAttributeProgrammaticStreamSerialization" in sm80
