@@ -383,6 +383,9 @@ def leaderboard_cmd(
     layout: Annotated[Optional[str], typer.Option()] = None,
     status: Annotated[Optional[str], typer.Option(help=f"show rows of this status: {' | '.join(STATUSES)}")] = None,
     top: Annotated[int, typer.Option(help="kernels per problem")] = 1,
+    bench: Annotated[Optional[str], typer.Option(
+        help="rows timed this way only: fenced (the current offline protocol) | back-to-back (rows from "
+             "before it); speedups of the two are not comparable for kernels that launch early (PDL)")] = None,
     format: Annotated[str, typer.Option(help="table | csv | json | markdown")] = "table",
     shapes: Annotated[Optional[Path], typer.Option(
         help="a shape set (CSV with m,n,k,dtype,layout columns): its rows only, in its order, "
@@ -401,11 +404,13 @@ def leaderboard_cmd(
         raise Cudal2Error(f"unknown status {status!r}; choose one of {', '.join(STATUSES)}")
     if top < 1:
         raise Cudal2Error(f"--top must be >= 1, got {top}")
+    if bench is not None and bench not in ("fenced", "back-to-back"):
+        raise Cudal2Error(f"unknown --bench {bench!r}; choose fenced or back-to-back")
     if export and status is not None:
         raise Cudal2Error("--export writes the best kernels; it does not combine with --status")
     settings = load_settings({"results": results})
     board = Leaderboard(settings.results)
-    df = select(board.read(), m=m, n=n, k=k, gpu=gpu, dtype=dtype, layout=layout)
+    df = select(board.read(), m=m, n=n, k=k, gpu=gpu, dtype=dtype, layout=layout, bench=bench)
     keys = ["gpu", "m", "n", "k", "dtype", "layout"]
     if shapes is not None:
         if status is not None:
@@ -417,7 +422,7 @@ def leaderboard_cmd(
     if status is None:
         df = best(df, top)
         columns = keys + ["kernel", "offline_us", "cublas_offline_us", "speedup_offline", "tflops",
-                          "server_us", "speedup_server", "time"]
+                          "server_us", "speedup_server", "bench", "time"]
     else:
         df = df[df["status"] == status].sort_values(keys + ["time"]).groupby(keys, dropna=False).head(top)
         columns = keys + ["kernel", "status", "error", "time"]
@@ -454,7 +459,7 @@ def report_shapes(df: pd.DataFrame, problems: list[Problem], format: str) -> pd.
     winners = best(df, 1)
     chosen = []
     columns = ["gpu", "m", "n", "k", "dtype", "layout", "kernel", "offline_us", "cublas_offline_us",
-               "speedup_offline", "tflops"]
+               "speedup_offline", "tflops", "bench"]
     rows = []
     for p in problems:
         found = select(winners, m=p.m, n=p.n, k=p.k, dtype=p.dtype, layout=p.layout)

@@ -14,6 +14,7 @@ from typing import Any
 
 import pandas as pd
 
+from .bench import PROTOCOL
 from .environment import dram_bandwidth, tensor_peak
 from .problem import Problem
 from .render import Template, load_templates, recorded_params
@@ -120,15 +121,18 @@ def recorded_device(df: pd.DataFrame, gpu: str) -> dict[str, Any]:
 
 def measured_configurations(df: pd.DataFrame, gpu: str) -> dict[Problem, dict[tuple[str, str], float]]:
     """What the leaderboard says about the template configurations on one GPU: per problem,
-    (template, params JSON of today's space) -> best offline speedup measured."""
+    (template, params JSON of today's space) -> best offline speedup measured. Speedups of
+    one problem are compared within one bench protocol (the `bench` column): the one with
+    the most configurations measured, the current ("fenced") on a tie."""
     templates = load_templates()
     ok = df[(df["status"] == "ok") & df["template"].isin(list(templates)) & (df["gpu"] == gpu)
             & df["speedup_offline"].notna()]
-    found: dict[Problem, dict[tuple[str, str], float]] = {}
+    by_protocol: dict[Problem, dict[str, dict[tuple[str, str], float]]] = {}
     for row in ok.to_dict("records"):
         if (params := recorded_params(row, templates)) is not None:
             problem = Problem(int(row["m"]), int(row["n"]), int(row["k"]), row["dtype"], row["layout"])
             key = (row["template"], json.dumps(params, sort_keys=True))
-            speedups = found.setdefault(problem, {})
+            speedups = by_protocol.setdefault(problem, {}).setdefault(row["bench"], {})
             speedups[key] = max(speedups.get(key, 0.0), float(row["speedup_offline"]))
-    return found
+    return {problem: max(protocols.items(), key=lambda e: (len(e[1]), e[0] == PROTOCOL))[1]
+            for problem, protocols in by_protocol.items()}

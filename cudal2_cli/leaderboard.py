@@ -39,8 +39,14 @@ SCHEMA = pa.schema([
     ("server_us", _F), ("server_p20_us", _F), ("server_p80_us", _F), ("server_samples", _I),
     ("cublas_offline_us", _F), ("cublas_server_us", _F),
     ("speedup_offline", _F), ("speedup_server", _F), ("tflops", _F),
+    # how offline times were taken (cudal2_cli/bench.py): "fenced" (each launch followed by an
+    # empty kernel whose time is subtracted; outputs alone poisoned) or "back-to-back" (rows
+    # from before the fence, whose parts lack this column)
+    ("bench", _S),
 ])
 COLUMNS = SCHEMA.names
+# Parts written before these columns existed read them as this value.
+ADDED_COLUMNS = {"bench": "back-to-back"}
 
 
 def source_hash(source: str) -> str:
@@ -101,6 +107,9 @@ class Leaderboard:
         for path in sorted(self.parts.glob("*.parquet")) if self.parts.exists() else []:
             try:
                 table = pq.read_table(path)
+                for column, value in ADDED_COLUMNS.items():
+                    if column not in table.column_names:
+                        table = table.append_column(column, pa.array([value] * table.num_rows, _S))
                 if not set(COLUMNS) <= set(table.column_names):
                     raise ValueError("not a cudal2 leaderboard part (columns differ)")
                 tables.append(table.select(COLUMNS).cast(SCHEMA))

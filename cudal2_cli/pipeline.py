@@ -11,6 +11,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
+from .bench import PROTOCOL
 from .candidate import Candidate
 from .compile import Build, Compiler
 from .config import Settings
@@ -49,7 +50,7 @@ class Context:
         return {
             "run_id": self.run_id, **{c: env.get(c) for c in ENV_COLUMNS}, **toolchain(),
             "arch": self.compiler.arch, "m": p.m, "n": p.n, "k": p.k, "dtype": p.dtype,
-            "layout": p.layout, "proposer": self.proposer, "model": self.model,
+            "layout": p.layout, "proposer": self.proposer, "model": self.model, "bench": PROTOCOL,
         }
 
     def job(self, op: str, **extra: Any) -> dict[str, Any]:

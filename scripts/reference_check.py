@@ -2,8 +2,9 @@
 bench records it (cuBLAS timed beside the kernel, in the kernel's job) and against the cuBLAS
 of that run's baselines job (timed first in the process, beside torch.matmul).
 
-    python scripts/reference_check.py [SHAPES_CSV] [RESULTS_DIR] [GPU]
-      (default: ../shared/shapes/dev.csv, results, NVIDIA H200)
+    python scripts/reference_check.py [SHAPES_CSV] [RESULTS_DIR] [GPU] [BENCH]
+      (default: ../shared/shapes/dev.csv, results, NVIDIA H200, rows of every bench protocol;
+       BENCH = fenced or back-to-back: that protocol's rows only)
 """
 
 from __future__ import annotations
@@ -18,7 +19,8 @@ from cudal2_cli.leaderboard import Leaderboard, select
 problems = read_shapes(Path(sys.argv[1] if len(sys.argv) > 1 else "../shared/shapes/dev.csv"))
 df = Leaderboard(Path(sys.argv[2] if len(sys.argv) > 2 else "results")).read()
 gpu = sys.argv[3] if len(sys.argv) > 3 else "NVIDIA H200"
-df = df[(df["status"] == "ok") & (df["gpu"] == gpu)].reset_index(drop=True)
+df = df[(df["status"] == "ok") & (df["gpu"] == gpu)]
+df = select(df, bench=sys.argv[4] if len(sys.argv) > 4 else None).reset_index(drop=True)
 baselines_job = df[df["kernel"] == "cuBLAS"].groupby("run_id")["offline_us"].first()
 kernels = df[df["template"].notna() & df["speedup_offline"].notna()]
 paired, apart = [], []

@@ -157,3 +157,13 @@ def test_leaderboard_filters_top_and_status(results):
     cheats = json.loads(run("leaderboard", "--results", results, "--status", "cheat", "--format", "json").output)
     assert [(r["kernel"], r["error"]) for r in cheats] == [("cheater", "wrote outside C")]
     assert "no results match" in run("leaderboard", "--results", results, "--gpu", "A100").output
+
+
+def test_leaderboard_shows_and_filters_how_rows_were_timed(tmp_path):
+    lb = Leaderboard(tmp_path)
+    lb.append([row("before", 1.4, bench="back-to-back"), row("fenced", 1.1, bench="fenced")])
+    shown = json.loads(run("leaderboard", "--results", tmp_path, "--format", "json").output)
+    assert [(r["kernel"], r["bench"]) for r in shown] == [("before", "back-to-back")]
+    fenced = json.loads(run("leaderboard", "--results", tmp_path, "--bench", "fenced", "--format", "json").output)
+    assert [(r["kernel"], r["bench"]) for r in fenced] == [("fenced", "fenced")]
+    one_line_error(run("leaderboard", "--results", tmp_path, "--bench", "warm"), "unknown --bench 'warm'")

@@ -84,3 +84,15 @@ def test_reference_check_reports_both_cublas_references(tmp_path):
                          env={**os.environ, "PYTHONPATH": str(ROOT)}).stdout
     assert "4096x4096x4096 fp16 nn: beside the kernel 1.048, baselines job 0.952" in out
     assert "1 rows: geometric mean 1.048 (minimum 1.048)" in out and "0.952 (minimum 0.952)" in out
+
+
+def test_parts_from_before_the_bench_column_read_as_back_to_back(tmp_path):
+    """Offline times taken before the fence (cudal2_cli/bench.py) stay marked as such: their
+    speedups are not comparable with fenced ones for kernels that launch early."""
+    lb = Leaderboard(tmp_path)
+    lb.append([row("new", 1.0, bench="fenced")])
+    old = lb.append([row("old", 0.9)])
+    pq.write_table(pq.read_table(old).drop_columns(["bench"]), old)  # as parts were written before
+    assert "bench" not in pq.read_table(old).column_names
+    df = lb.read().set_index("kernel")
+    assert df.loc["new", "bench"] == "fenced" and df.loc["old", "bench"] == "back-to-back"

@@ -76,7 +76,9 @@ def test_loop_measures_batches_records_rows_and_exports_the_best(tmp_path, compi
     assert out.exported == tmp_path / "results/best/NVIDIA_H200/fp16_nn/256_256_256.cu"
     assert f"speedup {out.best['speedup_offline']:.3f}x" in exported and "template sm80_mma" in exported
     assert 'extern "C" int cudal2_gemm(' in exported
-    assert len(ctx.leaderboard.read()) == 5  # every row recorded as measured
+    recorded = ctx.leaderboard.read()
+    assert len(recorded) == 5  # every row recorded as measured
+    assert set(recorded["bench"]) == {"fenced"}  # and how it was timed
     assert out.compile_s > 0 and out.wall_s >= out.gpu_s
 
 
