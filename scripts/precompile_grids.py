@@ -1,0 +1,65 @@
+"""Compile every configuration of grid files into the compile cache, in parallel (nvcc needs
+no GPU): afterwards `scripts/gpu_session.sh devset-grids` (or `cudal2 bench` on those lines)
+compiles nothing. Also compiles the sm90_cutlass configurations of the GPU tests.
+
+    python scripts/precompile_grids.py [--jobs N] [--arch sm_90a] GRIDS_FILE...
+      (lines: M N K DTYPE LAYOUT TEMPLATE name=v1,v2 ...; the cache is CUDAL2_CACHE_DIR's)
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from cudal2_cli.compile import Compiler, default_cache_dir  # noqa: E402
+from cudal2_cli.problem import Problem  # noqa: E402
+from cudal2_cli.render import arch_cc, render, template_candidate, template_grid  # noqa: E402
+
+
+def grid_sources(path: Path, cc: int) -> list[str]:
+    sources = []
+    for line in path.read_text().splitlines():
+        if not line.strip() or line.startswith("#"):
+            continue
+        f = line.split()
+        problem = Problem(int(f[0]), int(f[1]), int(f[2]), f[3], f[4])
+        grid = {name: values.split(",") for name, values in (a.split("=", 1) for a in f[6:])}
+        sources += [render(c, problem) for c in template_grid(f[5], grid, cc)]
+    return sources
+
+
+def test_sources(cc: int) -> list[str]:
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
+    from test_gpu import SM90_CONFIGS
+
+    return [render(template_candidate("sm90_cutlass", params, cc), Problem(1, 1, 1, *v)) for params, v in SM90_CONFIGS]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("grids", nargs="*", type=Path)
+    parser.add_argument("--jobs", type=int, default=os.cpu_count())
+    parser.add_argument("--arch", default="sm_90a")
+    args = parser.parse_args()
+    cc = arch_cc(args.arch)
+    sources = test_sources(cc) + [s for path in args.grids for s in grid_sources(path, cc)]
+    compiler = Compiler(args.arch, Path(os.environ["CUDAL2_CACHE_DIR"]) if "CUDAL2_CACHE_DIR" in os.environ
+                        else default_cache_dir(), jobs=args.jobs)
+    todo = [s for s in dict.fromkeys(sources) if compiler.lookup(s) is None]
+    print(f"{len(set(sources))} configurations, {len(todo)} to compile with {args.jobs} jobs", flush=True)
+    start = time.perf_counter()
+    builds = compiler.compile_all(todo)
+    failed = [b for b in builds if b.status != "ok"]
+    print(f"compiled {len(builds) - len(failed)} in {time.perf_counter() - start:.0f} s; {len(failed)} failed", flush=True)
+    for build in failed:
+        print(build.status, build.log[-2000:], file=sys.stderr)
+    sys.exit(1 if failed else 0)
+
+
+if __name__ == "__main__":
+    main()
