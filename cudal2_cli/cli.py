@@ -18,6 +18,7 @@ from rich.table import Table
 
 from . import render as render_stage
 from .candidate import Candidate
+from .bench import EARLIER_PROTOCOL, PROTOCOL
 from .compile import Compiler, find_nvcc
 from .config import load_settings
 from .environment import default_arch
@@ -404,8 +405,8 @@ def leaderboard_cmd(
         raise Cudal2Error(f"unknown status {status!r}; choose one of {', '.join(STATUSES)}")
     if top < 1:
         raise Cudal2Error(f"--top must be >= 1, got {top}")
-    if bench is not None and bench not in ("fenced", "back-to-back"):
-        raise Cudal2Error(f"unknown --bench {bench!r}; choose fenced or back-to-back")
+    if bench is not None and bench not in (PROTOCOL, EARLIER_PROTOCOL):
+        raise Cudal2Error(f"unknown --bench {bench!r}; choose {PROTOCOL} or {EARLIER_PROTOCOL}")
     if export and status is not None:
         raise Cudal2Error("--export writes the best kernels; it does not combine with --status")
     settings = load_settings({"results": results})

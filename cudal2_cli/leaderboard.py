@@ -14,6 +14,7 @@ import pandas as pd
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from .bench import EARLIER_PROTOCOL, PROTOCOL
 from .errors import Cudal2Error
 
 STATUSES = ("ok", "unsupported", "compile_error", "wrong", "cheat", "crash", "timeout", "invalid")
@@ -46,7 +47,7 @@ SCHEMA = pa.schema([
 ])
 COLUMNS = SCHEMA.names
 # Parts written before these columns existed read them as this value.
-ADDED_COLUMNS = {"bench": "back-to-back"}
+ADDED_COLUMNS = {"bench": EARLIER_PROTOCOL}
 
 
 def source_hash(source: str) -> str:
@@ -138,8 +139,6 @@ def best(df: pd.DataFrame, top: int = 1) -> pd.DataFrame:
     """The `top` fastest verified kernels per problem and GPU, by offline speedup. A problem
     with rows timed under the current bench protocol is ranked on those alone: back-to-back
     rows of kernels that launch early (PDL) read faster than they would fenced."""
-    from .bench import PROTOCOL
-
     ok = df[(df["status"] == "ok") & ~df["kernel"].isin(BASELINES) & df["speedup_offline"].notna()]
     keys = ["gpu", "m", "n", "k", "dtype", "layout"]
     current = ok["bench"] == PROTOCOL

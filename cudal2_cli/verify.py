@@ -202,7 +202,7 @@ class Operands:
         raise ValueError(distribution)
 
     def poison(self, rng) -> None:
-        """NaN in every element of C (0xFFFF is NaN in fp16 and bf16); random workspace."""
+        """NaN in C (poison_output); random bytes in the workspace."""
         poison_output(self.c)
         self.ws[...] = self.cp.random.randint(0, 256, self.ws.shape, dtype=self.cp.uint8)
 

@@ -7,9 +7,9 @@ Per line of SPEC_FILE (`M N K DTYPE LAYOUT TEMPLATE k=v ...`):
    `fence` kernel, and each of the first two followed by the fence. A launch that overlaps
    the one before it (programmatic dependent launch) loses that overlap when the fence
    stands between them: `chain_cost` = t(x + fence) - t(fence) - t(x) is ~0 for a launch
-   that does not overlap, and the time it gained from overlapping otherwise. For an sm90
-   kernel without PDL, the same kernel built with it (CUTLASS_ENABLE_GDC_FOR_SM90, launched
-   with launch_with_pdl) is timed beside them: what PDL between calls would be worth.
+   that does not overlap, and the time it gained from overlapping otherwise. (Its first run,
+   before the templates launched with PDL, also timed each sm90 kernel with PDL added by
+   text substitution: commit 230ebfa.)
 2. The worker's own jobs, as `cudal2 bench` runs them (budget 0.2 s), alternated: baselines,
    kernel, baselines, kernel, ... (ROUNDS of each, default 4). If the baselines job's cuBLAS
    is faster only when it runs first, the gap between the two references is the order.
@@ -28,44 +28,30 @@ import sys
 
 import cupy
 
-from cudal2_cli.bench import bench
+from cudal2_cli.bench import FENCE_SOURCE, bench
 from cudal2_cli.compile import Compiler
+from cudal2_cli.config import load_settings
 from cudal2_cli.environment import default_arch, describe_device
 from cudal2_cli.problem import Problem
 from cudal2_cli.render import render, template_candidate
 from cudal2_cli.verify import Kernel, Numerics, Operands
 from cudal2_cli.worker import _baselines_job, _kernel_job, cublas_gemm
 
-FENCE = cupy.RawKernel('extern "C" __global__ void cudal2_fence() {}', "cudal2_fence")
-
-
-def with_pdl(source: str) -> str | None:
-    """The sm90 source with programmatic dependent launch between calls, or None where it
-    has it already (parallel split-K) or is not an sm90_cutlass source."""
-    plain_run = "if (Gemm::run(params, stream) != cutlass::Status::kSuccess) {"
-    if "CUTLASS_ENABLE_GDC_FOR_SM90" in source or plain_run not in source:
-        return None
-    source = source.replace("#include <cuda_runtime.h>", "#define CUTLASS_ENABLE_GDC_FOR_SM90 1\n#include <cuda_runtime.h>", 1)
-    return source.replace(plain_run, "if (Gemm::run(params, stream, nullptr, true) != cutlass::Status::kSuccess) {")
+FENCE = cupy.RawKernel(FENCE_SOURCE, "cudal2_fence")
 
 
 def main(spec_path: str, rounds: int) -> None:
     cc = int(cupy.cuda.Device().compute_capability)
-    compiler = Compiler(default_arch(cc))
+    compiler = Compiler(default_arch(cc), load_settings().cache_dir)
     environment = describe_device(0)
     specs = [line.split() for line in open(spec_path) if line.strip() and not line.startswith("#")]
     for spec in specs:
         problem = Problem(int(spec[0]), int(spec[1]), int(spec[2]), spec[3], spec[4])
         params = dict(a.split("=", 1) for a in spec[6:])
         source = render(template_candidate(spec[5], params, cc), problem)
-        sources = {"kernel": source}
-        if with_pdl(source):
-            sources["kernel, PDL"] = with_pdl(source)
-        builds = compiler.compile_all(list(sources.values()))
-        libraries = {}
-        for name, build in zip(sources, builds):
-            assert build.status == "ok", build.log[-2000:]
-            libraries[name] = str(build.library)
+        build = compiler.compile(source)
+        assert build.status == "ok", build.log[-2000:]
+        libraries = {"kernel": str(build.library)}
         stream = cupy.cuda.Stream(non_blocking=True)
         num = Numerics(problem.dtype)
         with stream:

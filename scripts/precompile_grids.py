@@ -3,7 +3,8 @@ no GPU): afterwards `scripts/gpu_session.sh devset-grids` (or `cudal2 bench` on 
 compiles nothing. Also compiles the sm90_cutlass configurations of the GPU tests.
 
     python scripts/precompile_grids.py [--jobs N] [--arch sm_90a] GRIDS_FILE...
-      (lines: M N K DTYPE LAYOUT TEMPLATE name=v1,v2 ...; the cache is CUDAL2_CACHE_DIR's)
+      (lines: M N K DTYPE LAYOUT TEMPLATE name=v1,v2 ...; the cache is cudal2's own:
+       CUDAL2_CACHE_DIR, cudal2.toml or ~/.cache/cudal2)
 """
 
 from __future__ import annotations
@@ -16,7 +17,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from cudal2_cli.compile import Compiler, default_cache_dir  # noqa: E402
+from cudal2_cli.cli import parse_params  # noqa: E402
+from cudal2_cli.compile import Compiler  # noqa: E402
+from cudal2_cli.config import load_settings  # noqa: E402
 from cudal2_cli.problem import Problem  # noqa: E402
 from cudal2_cli.render import arch_cc, render, template_candidate, template_grid  # noqa: E402
 
@@ -28,8 +31,7 @@ def grid_sources(path: Path, cc: int) -> list[str]:
             continue
         f = line.split()
         problem = Problem(int(f[0]), int(f[1]), int(f[2]), f[3], f[4])
-        grid = {name: values.split(",") for name, values in (a.split("=", 1) for a in f[6:])}
-        sources += [render(c, problem) for c in template_grid(f[5], grid, cc)]
+        sources += [render(c, problem) for c in template_grid(f[5], parse_params(f[6:]), cc)]
     return sources
 
 
@@ -48,8 +50,7 @@ def main() -> None:
     args = parser.parse_args()
     cc = arch_cc(args.arch)
     sources = test_sources(cc) + [s for path in args.grids for s in grid_sources(path, cc)]
-    compiler = Compiler(args.arch, Path(os.environ["CUDAL2_CACHE_DIR"]) if "CUDAL2_CACHE_DIR" in os.environ
-                        else default_cache_dir(), jobs=args.jobs)
+    compiler = Compiler(args.arch, load_settings().cache_dir, jobs=args.jobs)
     todo = [s for s in dict.fromkeys(sources) if compiler.lookup(s) is None]
     print(f"{len(set(sources))} configurations, {len(todo)} to compile with {args.jobs} jobs", flush=True)
     start = time.perf_counter()
