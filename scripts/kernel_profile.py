@@ -1,0 +1,121 @@
+"""On a GPU: which kernels a GEMM call runs, and how long each takes on the device.
+
+Per line of SPEC_FILE (`M N K DTYPE LAYOUT [TEMPLATE k=v ...]`), under torch.profiler (CUPTI):
+cuBLAS (cublasGemmEx, the bench's baseline), torch.mm (cuBLASLt) and, where the line names
+a template configuration, that kernel. Each contestant is launched CALLS times, each call
+followed by the bench's fence kernel, after a few untimed calls. For each it prints the
+kernels one call runs (names as the driver reports them: cuBLAS's say their tile, cluster
+and split-K scheme), each kernel's median duration, the gap from one kernel's end to the
+next one's start within a call (negative: programmatic dependent launch let it start
+early), the span of a call (first start to last end, the fence excluded) and the gaps to
+the fences around it. CUPTI adds its own cost to launches, so gaps read here are upper bounds.
+
+    python scripts/kernel_profile.py SPEC_FILE [CALLS]
+
+One JSON line per (problem, contestant) on stdout.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import statistics
+import sys
+
+import cupy
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+from cudal2_cli.bench import FENCE_SOURCE
+from cudal2_cli.compile import Compiler
+from cudal2_cli.config import load_settings
+from cudal2_cli.environment import default_arch
+from cudal2_cli.problem import Problem
+from cudal2_cli.render import render, template_candidate
+from cudal2_cli.verify import Kernel, Numerics, Operands
+from cudal2_cli.worker import cublas_gemm, torch_gemm
+
+FENCE_NAME = "cudal2_fence"
+FENCE = cupy.RawKernel(FENCE_SOURCE, FENCE_NAME)
+
+
+def kernel_intervals(run, stream, calls: int) -> list[tuple[str, float, float]]:
+    """(name, start_us, end_us) of every kernel of `calls` fenced calls of `run`, in start order."""
+    for _ in range(5):
+        run()
+        FENCE((1,), (1,), (), stream=stream)
+    stream.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(calls):
+            run()
+            FENCE((1,), (1,), (), stream=stream)
+        stream.synchronize()
+    events = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA
+              and e.time_range.end > e.time_range.start and "memcpy" not in e.name.lower()]
+    return sorted(((e.name, float(e.time_range.start), float(e.time_range.end)) for e in events),
+                  key=lambda t: t[1])
+
+
+def summarize(intervals: list[tuple[str, float, float]]) -> dict:
+    """Split the kernel sequence into calls at the fences; per kernel position: name, median
+    duration, median gap before it; the median span of a call; and around it, the gap from the
+    fence before to its first kernel (`lead_gap_us`), from its last kernel to the fence after
+    (`tail_gap_us`), and fence start to fence start (`cycle_us`, what the bench's per-launch
+    time is before it subtracts the fence's own)."""
+    calls, current, fences = [], [], []
+    for name, start, end in intervals:
+        if FENCE_NAME in name:
+            if current and fences:  # a call with a fence on both sides
+                calls.append((fences[-1], current, (name, start, end)))
+            fences.append((name, start, end))
+            current = []
+        else:
+            current.append((name, start, end))
+    shapes = {tuple(k[0] for k in call) for _, call, _ in calls}
+    # Where calls differ (a memset in some only), keep the commonest sequence.
+    common = max(shapes, key=lambda s: sum(tuple(k[0] for k in c) == s for _, c, _ in calls))
+    calls = [c for c in calls if tuple(k[0] for k in c[1]) == common]
+    med = statistics.median
+    kernels = []
+    for i, name in enumerate(common):
+        kernels.append({"name": name[:240], "median_us": round(med(c[i][2] - c[i][1] for _, c, _ in calls), 3)})
+        if i:
+            kernels[-1]["gap_before_us"] = round(med(c[i][1] - c[i - 1][2] for _, c, _ in calls), 3)
+    return {"calls": len(calls), "call_shapes": len(shapes),
+            "span_us": round(med(max(k[2] for k in c) - c[0][1] for _, c, _ in calls), 3),
+            "lead_gap_us": round(med(c[0][1] - before[2] for before, c, _ in calls), 3),
+            "tail_gap_us": round(med(after[1] - max(k[2] for k in c) for _, c, after in calls), 3),
+            "fence_us": round(med(after[2] - after[1] for _, _, after in calls), 3),
+            "cycle_us": round(med(after[1] - before[1] for before, _, after in calls), 3),
+            "kernels": kernels}
+
+
+def main(spec_path: str, calls: int) -> None:
+    cc = int(cupy.cuda.Device().compute_capability)
+    compiler = Compiler(default_arch(cc), load_settings().cache_dir)
+    specs = [line.split() for line in open(spec_path) if line.strip() and not line.startswith("#")]
+    for spec in specs:
+        problem = Problem(int(spec[0]), int(spec[1]), int(spec[2]), spec[3], spec[4])
+        stream = cupy.cuda.Stream(non_blocking=True)
+        with stream:
+            kernel, workspace = None, 0
+            if len(spec) > 5:
+                params = dict(a.split("=", 1) for a in spec[6:])
+                build = compiler.compile(render(template_candidate(spec[5], params, cc), problem))
+                assert build.status == "ok", build.log[-2000:]
+                kernel = Kernel(str(build.library))
+                workspace = kernel.workspace_bytes(problem.m, problem.n, problem.k)
+            ops = Operands(problem, workspace, Numerics(problem.dtype))
+            ops.fill("normal", random.Random(1))
+            contestants = {"cuBLAS": cublas_gemm(problem, stream), "torch.matmul": torch_gemm(problem, stream)}
+            launches = {name: (lambda gemm=gemm: gemm(ops.a, ops.b, ops.c)) for name, gemm in contestants.items()
+                        if gemm is not None}
+            if kernel is not None:
+                launches[" ".join(spec[5:])] = lambda: ops.call(kernel, stream)
+            for name, run in launches.items():
+                print(json.dumps({"problem": str(problem), "contestant": name,
+                                  **summarize(kernel_intervals(run, stream, calls))}), flush=True)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], int(sys.argv[2]) if len(sys.argv) > 2 else 50)
