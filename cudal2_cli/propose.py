@@ -104,9 +104,10 @@ class SearchProposer:
     parameters in turn, each one's best move by the cost model (corrected by what was
     measured: `Correction`) first, so a parameter the model misjudges on this problem
     (split_k where the tiles already fill the GPU, say) is still moved. The rest of the
-    batch follows the global ranking. A configuration whose build is not in the compile
+    batch follows the global ranking, one configuration per predicted time first. A configuration whose build is not in the compile
     cache (`cached` says) counts UNCACHED_PENALTY slower: a CUTLASS compile costs a minute,
-    a cached one nothing. Ties are broken by a seeded shuffle: deterministic per --seed.
+    a cached one nothing. Ties go to the configuration nearest the defaults, then to a seeded
+    shuffle: deterministic per --seed.
     """
 
     name = "search"
@@ -126,6 +127,7 @@ class SearchProposer:
         self.prior = prior or []
         self.cached = cached
         self._ranking: dict[Problem, list[tuple[float, str, dict]]] = {}
+        self._penalty: dict[tuple[Problem, str, str], float] = {}
 
     def ranking(self, problem: Problem) -> list[tuple[float, str, dict]]:
         if problem not in self._ranking:
@@ -137,10 +139,15 @@ class SearchProposer:
                 ranked = [(predict_us(self.templates[name], params, problem, self.device), name, params)
                           for name, params in configs]
                 ranked = [entry for entry in ranked if math.isfinite(entry[0])]
+            # Ties: the configuration nearest its template's defaults first (the model has no
+            # term for some parameters, stages say, whose defaults are the measured-good
+            # choices), then a seeded shuffle.
             rng = random.Random(self.seed)
-            keyed = [(t, rng.random(), name, params) for t, name, params in ranked]
-            keyed.sort(key=lambda e: (e[0], e[1]))
-            self._ranking[problem] = [(t, name, params) for t, _, name, params in keyed]
+            defaults = {name: self.templates[name].space.defaults() for name in self.templates}
+            keyed = [(t, sum(v != defaults[name][key] for key, v in params.items()), rng.random(), name, params)
+                     for t, name, params in ranked]
+            keyed.sort(key=lambda e: e[:3])
+            self._ranking[problem] = [(t, name, params) for t, _, _, name, params in keyed]
         return self._ranking[problem]
 
     def _correction(self, problem: Problem, history: list[dict[str, Any]]) -> Correction:
@@ -171,7 +178,13 @@ class SearchProposer:
         correction = self._correction(problem, history)
 
         def penalty(name: str, params: dict[str, Any]) -> float:
-            return 1.0 if self.cached is None or self.cached(problem, name, params) else self.UNCACHED_PENALTY
+            # Looked up once per configuration and run (a lookup renders the source): a build
+            # cached since then is one this run compiled, and so measured, or about to be.
+            key = (problem, name, json.dumps(params, sort_keys=True))
+            if key not in self._penalty:
+                cached = self.cached is None or self.cached(problem, name, params)
+                self._penalty[key] = 1.0 if cached else self.UNCACHED_PENALTY
+            return self._penalty[key]
 
         def score(name: str, params: dict[str, Any]) -> float:
             t = predict_us(self.templates[name], params, problem, self.device) * correction(name, params)
@@ -225,9 +238,25 @@ class SearchProposer:
                 break
             if math.isfinite(t):
                 take(name, params)
-        ranked = sorted(self.ranking(problem), key=lambda e: e[0] * correction(e[1], e[2]))
-        head = sorted(ranked[: self.WINDOW], key=lambda e: e[0] * correction(e[1], e[2]) * penalty(e[1], e[2]))
-        for _, name, params in head + ranked[self.WINDOW:]:
+        def price(entry: tuple[float, str, dict]) -> float:
+            return entry[0] * correction(entry[1], entry[2])
+
+        # One configuration per price first: those the model prices alike (they differ in
+        # stages, cluster orientation, K depth, ...) tell as much about its error as one of
+        # them does, and the neighbour moves try their differences around the fastest. So a
+        # batch spans the model's distinct options, not one tile shape's variants. Among the
+        # first WINDOW classes (and the first WINDOW of the rest) the cache preference may
+        # reorder.
+        firsts, rest, prices = [], [], set()
+        for entry in sorted(self.ranking(problem), key=price):
+            key = (entry[1], round(math.log(price(entry)), 3))
+            (rest if key in prices else firsts).append(entry)
+            prices.add(key)
+
+        def cache_first(entries: list) -> list:
+            return sorted(entries[: self.WINDOW], key=lambda e: price(e) * penalty(e[1], e[2])) + entries[self.WINDOW:]
+
+        for _, name, params in cache_first(firsts) + cache_first(rest):
             if len(picks) >= n:
                 break
             take(name, params)

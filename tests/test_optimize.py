@@ -5,6 +5,7 @@ one on a GPU)."""
 from __future__ import annotations
 
 import hashlib
+import math
 from pathlib import Path
 
 import pytest
@@ -188,6 +189,28 @@ def test_search_stays_within_a_given_grid(tmp_path, compiler):
     measured = {r["kernel"] for r in out.rows if r["kernel"] != "cuBLAS"}
     assert measured == {str(c) for c in grid}  # all four, nothing outside, then nothing new
     assert out.stopped == "the proposer has nothing new"
+
+
+def test_first_batch_spans_the_models_distinct_predictions_nearest_the_defaults():
+    # Configurations the cost model prices alike (stages, cluster orientation, ...) are one
+    # option to it: a first batch tries distinct ones, each as its template's defaults would
+    # have it where the model cannot tell (a 3072x768x3072 search once spent all 16 kernels on
+    # one tile shape's stage counts).
+    from cudal2_cli.cost import predict_us
+
+    search, p = sm80_search(), Problem(512, 512, 512)
+    template = get_template("sm80_mma")
+    picks = search.propose(p, [], 6)
+    prices = [round(math.log(predict_us(template, c.param_dict, p, H200)), 3) for c in picks]
+    assert len(set(prices)) == len(picks) == 6
+    defaults = template.space.defaults()
+
+    def distance(params):
+        return sum(v != defaults[k] for k, v in params.items())
+
+    for pick, price in zip(picks, prices):
+        alike = [params for t, _, params in search.ranking(p) if round(math.log(t), 3) == price]
+        assert distance(pick.param_dict) == min(map(distance, alike))
 
 
 def test_search_prefers_configurations_already_compiled():
