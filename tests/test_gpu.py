@@ -75,17 +75,13 @@ VARIANTS = [("fp16", "nn"), ("bf16", "nt"), ("fp16", "nt"), ("bf16", "nn")]
 # CUTLASS's own stream-K heuristic with the deterministic (ordered) reduction; and the parallel
 # split-K (slices as batches, summed by a second kernel) on the non-persistent and the
 # persistent cooperative kernel. K = 4096 and 2048 run there in 8 and 4 slices, K = 8200 and
-# 520 (K / 8 odd) and K % 8 in one. Two with the epilogue's subtile wider than CUTLASS's 32
-# columns: fp16 D, and the parallel split-K's fp32 partial sums.
+# 520 (K / 8 odd) and K % 8 in one.
 SM90_CONFIGS = [({}, v) for v in VARIANTS] + [
     ({"tile_n": "128", "tile_scheduler": "streamk", "splits": "4", "reduction": "nondeterministic"}, ("fp16", "nn")),
     ({"tile_n": "128", "tile_scheduler": "streamk"}, ("bf16", "nt")),
     ({"kernel_schedule": "warpspecialized", "tile_m": "64", "tile_n": "128", "cluster_m": "1", "splits": "8",
       "reduction": "parallel"}, ("fp16", "nn")),
     ({"tile_n": "128", "splits": "4", "reduction": "parallel"}, ("bf16", "nt")),
-    ({"epilogue_n": "64"}, ("fp16", "nn")),
-    ({"kernel_schedule": "warpspecialized", "tile_m": "64", "tile_n": "128", "cluster_m": "1", "splits": "8",
-      "reduction": "parallel", "epilogue_n": "128"}, ("bf16", "nn")),
 ]
 
 

@@ -137,18 +137,3 @@ def test_kernels_launch_early_but_wait_for_their_predecessor_except_stream_k():
     body = sm80[sm80.index("gemm_kernel(const Element*"):]
     assert body.index("griddepcontrol.wait") < body.index("cur_a(")  # before the first load
     assert "binaryVersion >= 90" in sm80 and "cudaLaunchAttributeProgrammaticStreamSerialization" in sm80
-
-
-def test_the_epilogue_subtile_is_cutlass_own_unless_asked_wider():
-    problem = Problem(1, 1, 1, "fp16", "nn")
-    plain = render(template_candidate("sm90_cutlass", {}, 90), problem)
-    assert "collective::EpilogueTileAuto," in plain and "epilogue_tile=" not in plain
-    wide = render(template_candidate("sm90_cutlass", {"epilogue_n": "64"}, 90), problem)
-    assert "Shape<_128, _64>," in wide and "EpilogueTileAuto," not in wide  # cooperative: 128 rows
-    narrow = render(template_candidate("sm90_cutlass", {"kernel_schedule": "pingpong", "tile_n": "128",
-                                                        "epilogue_n": "128"}, 90), problem)
-    assert "Shape<_64, _128>," in narrow  # one consumer warpgroup: 64 rows
-    for wrong, rule in (({"tile_n": "192", "epilogue_n": "128"}, "tile_n % epilogue_n == 0"),
-                        ({"epilogue_schedule": "auto", "epilogue_n": "64"}, "epilogue_schedule == 'tma' or")):
-        with pytest.raises(Cudal2Error, match=re.escape(rule)):
-            template_candidate("sm90_cutlass", wrong, 90)
