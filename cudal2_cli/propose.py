@@ -104,9 +104,9 @@ class SearchProposer:
     parameters in turn, each one's best move by the cost model (corrected by what was
     measured: `Correction`) first, so a parameter the model misjudges on this problem
     (split_k where the tiles already fill the GPU, say) is still moved. The rest of the
-    batch follows the global ranking, one configuration per predicted time first. A configuration whose build is not in the compile
-    cache (`cached` says) counts UNCACHED_PENALTY slower: a CUTLASS compile costs a minute,
-    a cached one nothing. Ties go to the configuration nearest the defaults, then to a seeded
+    batch follows the global ranking, one configuration per predicted time first. A
+    configuration whose build is not in the compile cache (`cached` says) counts
+    UNCACHED_PENALTY slower: a CUTLASS compile costs a minute, a cached one nothing. Ties go to the configuration nearest the defaults, then to a seeded
     shuffle: deterministic per --seed.
     """
 
@@ -248,13 +248,13 @@ class SearchProposer:
         # first WINDOW classes (and the first WINDOW of the rest) the cache preference may
         # reorder.
         firsts, rest, prices = [], [], set()
-        for entry in sorted(self.ranking(problem), key=price):
-            key = (entry[1], round(math.log(price(entry)), 3))
-            (rest if key in prices else firsts).append(entry)
+        for t, entry in sorted(((price(e), e) for e in self.ranking(problem)), key=lambda pair: pair[0]):
+            key = (entry[1], round(math.log(t), 3))
+            (rest if key in prices else firsts).append((t, entry[1], entry[2]))
             prices.add(key)
 
-        def cache_first(entries: list) -> list:
-            return sorted(entries[: self.WINDOW], key=lambda e: price(e) * penalty(e[1], e[2])) + entries[self.WINDOW:]
+        def cache_first(entries: list) -> list:  # entries carry their corrected price
+            return sorted(entries[: self.WINDOW], key=lambda e: e[0] * penalty(e[1], e[2])) + entries[self.WINDOW:]
 
         for _, name, params in cache_first(firsts) + cache_first(rest):
             if len(picks) >= n:
