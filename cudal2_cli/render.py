@@ -7,7 +7,7 @@ import itertools
 import json
 import tomllib
 from collections.abc import Iterator, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -63,8 +63,22 @@ def _names(code) -> list[str]:
     return found
 
 
+_GLOBALS = {"__builtins__": {}, "min": min, "max": max}  # what a space's expressions may call
+
+
 def _evaluate(expr: str, names: dict[str, Any]) -> Any:
-    return eval(_compiled(expr), {"__builtins__": {}, "min": min, "max": max}, names)  # trusted: shipped files
+    return eval(_compiled(expr), _GLOBALS, names)  # trusted: shipped files
+
+
+@functools.cache
+def _assignments(table: tuple[tuple[str, str], ...]):
+    """A table of `name = expression` (derived values, cost keys) as one code object: each
+    may read the names above it; one call instead of one per expression."""
+    return compile("\n".join(f"{name} = ({expr})" for name, expr in table), "<space.toml>", "exec")
+
+
+def _assign(table: dict[str, str], names: dict[str, Any]) -> None:
+    exec(_assignments(tuple(table.items())), _GLOBALS, names)  # trusted: shipped files
 
 
 @dataclass(frozen=True)
@@ -106,6 +120,9 @@ class Space:
     derived: dict[str, str]
     constraints: tuple[str, ...]
     cost: dict[str, str]
+    # Valid configurations per compute capability, as value tuples in parameter order: the
+    # enumeration is the larger part of ranking a space (seconds), and the same for every problem.
+    _valid: dict[int, tuple[tuple[Any, ...], ...]] = field(default_factory=dict, compare=False, repr=False)
 
     @classmethod
     def load(cls, path: Path) -> Space:
@@ -151,8 +168,7 @@ class Space:
     def facts(self, params: dict[str, Any], cc: int) -> dict[str, Any]:
         """Parameters plus derived values and target facts, as constraints see them."""
         names: dict[str, Any] = {**params, **target_facts(cc)}
-        for name, expr in self.derived.items():
-            names[name] = _evaluate(expr, names)
+        _assign(self.derived, names)
         return names
 
     def cost_inputs(self, params: dict[str, Any], cc: int, problem: Problem, sm_count: int) -> dict[str, Any]:
@@ -168,9 +184,8 @@ class Space:
         while no other tile's mainloop runs). A key may read the keys above it in the table."""
         names = {**self.facts(params, cc), "m": problem.m, "n": problem.n, "k": problem.k,
                  "layout": problem.layout, "sm_count": sm_count}
-        inputs: dict[str, Any] = {}
-        for name, expr in self.cost.items():  # in file order: a key may read the ones above it
-            inputs[name] = names[name] = _evaluate(expr, names)
+        _assign(self.cost, names)  # in file order: a key may read the ones above it
+        inputs: dict[str, Any] = {name: names[name] for name in self.cost}
         for name, default in (("requires", True), ("split_k", 1), ("extra_bytes", 0), ("extra_launches", 0),
                               ("extra_us", 0.0), ("ordered_reduction", False), ("slices_wait", True),
                               ("exposed_epilogue_bytes", 0)):
@@ -207,8 +222,15 @@ class Space:
 
     def configurations(self, cc: int) -> Iterator[dict[str, Any]]:
         """Every valid parameter set, in the order of the values lists (that of
-        itertools.product). Each constraint is checked as soon as the parameters it reads are
-        chosen, so whole subtrees of the product are skipped, not enumerated."""
+        itertools.product); enumerated once per compute capability."""
+        names = list(self.params)
+        if cc not in self._valid:
+            self._valid[cc] = tuple(tuple(c.values()) for c in self._enumerate(cc))
+        return (dict(zip(names, values)) for values in self._valid[cc])
+
+    def _enumerate(self, cc: int) -> Iterator[dict[str, Any]]:
+        """The valid parameter sets. Each constraint is checked as soon as the parameters it
+        reads are chosen, so whole subtrees of the product are skipped, not enumerated."""
         names = list(self.params)
         depth = {name: i for i, name in enumerate(names)}
         # Per constraint: the derived values it needs (in file order) and the depth at

@@ -75,13 +75,21 @@ VARIANTS = [("fp16", "nn"), ("bf16", "nt"), ("fp16", "nt"), ("bf16", "nn")]
 # CUTLASS's own stream-K heuristic with the deterministic (ordered) reduction; and the parallel
 # split-K (slices as batches, summed by a second kernel) on the non-persistent and the
 # persistent cooperative kernel. K = 4096 and 2048 run there in 8 and 4 slices, K = 8200 and
-# 520 (K / 8 odd) and K % 8 in one.
+# 520 (K / 8 odd) and K % 8 in one. Stream-K forced: at 4096^3 the last two of four waves of
+# tiles, on the shapes of fewer tiles than SMs all of them, are cut into runs of K iterations
+# (partial tiles summed through the workspace). 160-column tiles (five epilogue subtiles; B's
+# shared-memory atom 32 columns wide in nn), persistent and not.
 SM90_CONFIGS = [({}, v) for v in VARIANTS] + [
     ({"tile_n": "128", "tile_scheduler": "streamk", "splits": "4", "reduction": "nondeterministic"}, ("fp16", "nn")),
     ({"tile_n": "128", "tile_scheduler": "streamk"}, ("bf16", "nt")),
     ({"kernel_schedule": "warpspecialized", "tile_m": "64", "tile_n": "128", "cluster_m": "1", "splits": "8",
       "reduction": "parallel"}, ("fp16", "nn")),
     ({"tile_n": "128", "splits": "4", "reduction": "parallel"}, ("bf16", "nt")),
+    ({"tile_scheduler": "streamk", "decomposition": "streamk"}, ("fp16", "nn")),
+    ({"tile_m": "256", "tile_n": "128", "cluster_m": "1", "cluster_n": "2", "tile_scheduler": "streamk",
+      "decomposition": "streamk", "reduction": "nondeterministic"}, ("bf16", "nt")),
+    ({"tile_n": "160"}, ("bf16", "nn")),
+    ({"kernel_schedule": "warpspecialized", "tile_n": "160", "cluster_m": "1"}, ("fp16", "nt")),
 ]
 
 
@@ -129,7 +137,9 @@ def test_sm90_cutlass_is_correct_on_odd_and_unaligned_shapes(sm90_builds, index)
 
 # Kernels launched with programmatic dependent launch: the sm90 default and parallel split-K
 # (SM90_CONFIGS), and sm80_mma (built for sm_90 it is launched so too).
-CHAINED = [("sm90_cutlass", {}), ("sm90_cutlass", SM90_CONFIGS[-2][0]), ("sm80_mma", {})]
+PARALLEL_SPLIT_K = next(params for params, _ in SM90_CONFIGS if params.get("reduction") == "parallel"
+                        and params.get("kernel_schedule") != "warpspecialized")
+CHAINED = [("sm90_cutlass", {}), ("sm90_cutlass", PARALLEL_SPLIT_K), ("sm80_mma", {})]
 
 
 @pytest.mark.parametrize("template, params", CHAINED, ids=["sm90", "sm90-parallel", "sm80"])

@@ -103,6 +103,19 @@ def test_stream_k_split_counts_reach_the_scheduler():
         template_candidate("sm90_cutlass", {"splits": "4"}, 90)  # the persistent scheduler has no splits
 
 
+def test_stream_k_can_be_forced_where_cutlass_would_stay_data_parallel():
+    forced = {"tile_scheduler": "streamk", "decomposition": "streamk"}
+    source = render(template_candidate("sm90_cutlass", forced, 90), Problem(1, 1, 1, "fp16", "nn"))
+    assert "decomposition_mode = cutlass::gemm::kernel::detail::DecompositionMode::StreamK;" in source
+    heuristic = render(template_candidate("sm90_cutlass", {"tile_scheduler": "streamk"}, 90),
+                       Problem(1, 1, 1, "fp16", "nn"))
+    assert "decomposition_mode" not in heuristic and "decomposition=" not in heuristic
+    # A stream-K scheduler argument, and split-K (splits > 1) is a decomposition of its own.
+    for wrong in ({"tile_scheduler": "persistent"}, {"splits": "4", "reduction": "nondeterministic"}):
+        with pytest.raises(Cudal2Error, match=re.escape("fails decomposition == 'heuristic' or")):
+            template_candidate("sm90_cutlass", {**forced, **wrong}, 90)
+
+
 def test_parallel_split_k_runs_slices_as_batches_and_sums_them_in_a_second_kernel():
     params = {"kernel_schedule": "warpspecialized", "tile_m": "64", "tile_n": "128", "cluster_m": "1",
               "splits": "8", "reduction": "parallel"}
