@@ -41,6 +41,12 @@ SPLIT_LOSS = 0.25
 # docs/h200-2026-11-30.md, fourth round): ~0.9 us per extra slice per 32 KiB partial tile
 # over the same kernels reducing in arrival order.
 ORDERED_REDUCTION_BYTES_PER_US = 36e3
+# Stream-K (`stream_k_tiles` in a template's [cost]): those tiles' K iterations are spread
+# evenly over the SMs, but the runs that share a tile wait for each other's fp32 partial sums.
+# Measured on the H200 (docs/h200-2026-11-30.md, eighth round), the stream-K part took its
+# even share plus about a third of a tile's time: 0.31 at 4096^3 (128x256 tiles, 248 of them
+# stream-K), 0.33 at 8192^3 (200), 0.38 at 3072x768x3072 (128x192, all 96).
+STREAM_K_WAIT_WAVES = 1 / 3
 # OCCUPANCY_WARPS and SPLIT_LOSS are fitted to the recorded H200 measurements with
 # scripts/cost_check.py (29 problems, in-sample): geometric mean of the best measured among
 # the model's top 1 / top 3 over the best measured 0.963 / 0.986, and on every problem with
@@ -63,7 +69,10 @@ def predict_us(template: Template, params: dict[str, Any], problem: Problem, dev
     ctas, sms = tiles * split, device["sm_count"]
     # CTAs sharing an SM at once: as many as fit, or fewer when the grid is small.
     resident = min(max(1, int(c["ctas_per_sm"])), math.ceil(ctas / sms))
-    waves = math.ceil(ctas / (sms * resident))
+    stream_k = int(c["stream_k_tiles"])
+    waves = math.ceil((tiles - stream_k) * split / (sms * resident))
+    if stream_k:
+        waves += stream_k / (sms * resident) + STREAM_K_WAIT_WAVES
     sm_flops = tensor_peak(device) / sms * float(c["efficiency"])
     # Each wave costs as much as a full wave of whole tiles: padding and idle SMs are paid.
     tile_flops = 2.0 * tm * tn * math.ceil(problem.k / split)

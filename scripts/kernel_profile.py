@@ -10,17 +10,22 @@ next one's start within a call (negative: programmatic dependent launch let it s
 early), the span of a call (first start to last end, the fence excluded) and the gaps to
 the fences around it. CUPTI adds its own cost to launches, so gaps read here are upper bounds.
 
-    python scripts/kernel_profile.py SPEC_FILE [CALLS]
+    python scripts/kernel_profile.py SPEC_FILE [CALLS] [--clocks SECONDS]
 
-One JSON line per (problem, contestant) on stdout.
+One JSON line per (problem, contestant) on stdout. With --clocks, no profiler: each
+contestant runs fenced calls back to back for SECONDS while nvidia-smi samples the SM clock,
+the power draw and the active clock-limit reasons every 50 ms (the first half second of each
+run dropped): whether a kernel runs the GPU into its power limit, and at what clock.
 """
 
 from __future__ import annotations
 
+import argparse
 import json
 import random
 import statistics
-import sys
+import subprocess
+import time
 
 import cupy
 import torch
@@ -90,7 +95,43 @@ def summarize(intervals: list[tuple[str, float, float]]) -> dict:
             "kernels": kernels}
 
 
-def main(spec_path: str, calls: int) -> None:
+def smi_fields() -> str:
+    """nvidia-smi's query fields: SM clock, power, clock-limit reasons (the field's newer name
+    where the driver knows it)."""
+    for reasons in ("clocks_event_reasons.active", "clocks_throttle_reasons.active"):
+        fields = f"clocks.sm,power.draw,{reasons}"
+        probe = subprocess.run(["nvidia-smi", f"--query-gpu={fields}", "--format=csv,noheader,nounits"],
+                               capture_output=True, text=True)
+        if probe.returncode == 0:
+            return fields
+    raise RuntimeError("nvidia-smi cannot report clocks, power and clock-limit reasons here")
+
+
+def clocks(run, stream, seconds: float) -> dict:
+    """Median SM clock (MHz) and power (W) while `run` and the fence repeat for `seconds`,
+    and the clock-limit reason bit masks seen."""
+    smi = subprocess.Popen(["nvidia-smi", f"--query-gpu={smi_fields()}", "--format=csv,noheader,nounits", "-lms", "50"],
+                           stdout=subprocess.PIPE, text=True)
+    began = time.monotonic()
+    calls = 0
+    while time.monotonic() - began < seconds:
+        for _ in range(20):
+            run()
+            FENCE((1,), (1,), (), stream=stream)
+        stream.synchronize()
+        calls += 20
+    smi.terminate()
+    lines = smi.communicate()[0].strip().splitlines()
+    samples = [line.split(", ") for line in lines[10:]]  # 50 ms apart: the first half second dropped
+    samples = [s for s in samples if len(s) == 3]
+    med = statistics.median
+    return {"seconds": seconds, "calls": calls, "samples": len(samples),
+            "sm_clock_mhz": med(float(s[0]) for s in samples) if samples else None,
+            "power_w": med(float(s[1]) for s in samples) if samples else None,
+            "limit_reasons": sorted({s[2] for s in samples})}
+
+
+def main(spec_path: str, calls: int, clock_seconds: float) -> None:
     cc = int(cupy.cuda.Device().compute_capability)
     compiler = Compiler(default_arch(cc), load_settings().cache_dir)
     specs = [line.split() for line in open(spec_path) if line.strip() and not line.startswith("#")]
@@ -113,9 +154,15 @@ def main(spec_path: str, calls: int) -> None:
             if kernel is not None:
                 launches[" ".join(spec[5:])] = lambda: ops.call(kernel, stream)
             for name, run in launches.items():
-                print(json.dumps({"problem": str(problem), "contestant": name,
-                                  **summarize(kernel_intervals(run, stream, calls))}), flush=True)
+                measured = clocks(run, stream, clock_seconds) if clock_seconds else \
+                    summarize(kernel_intervals(run, stream, calls))
+                print(json.dumps({"problem": str(problem), "contestant": name, **measured}), flush=True)
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], int(sys.argv[2]) if len(sys.argv) > 2 else 50)
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("spec")
+    parser.add_argument("calls", type=int, nargs="?", default=50)
+    parser.add_argument("--clocks", type=float, default=0.0, metavar="SECONDS")
+    args = parser.parse_args()
+    main(args.spec, args.calls, args.clocks)

@@ -132,3 +132,33 @@ def test_parallel_split_k_slices_do_not_wait_and_rank_ahead_of_stream_k():
         return template.space.cost_inputs(parallel, 90, Problem(1024, 128, k), 132)["split_k"]
     assert [slices(k) for k in (16384, 1024, 520, 8200, 1001)] == [8, 8, 1, 1, 1]
     assert slices(384) == 2  # 384 / 128: three K tiles, two slices of 192
+
+
+def test_forced_stream_k_gains_only_where_the_last_wave_leaves_enough_sms_idle():
+    """Measured on the H200 (eighth round), 128x256 tiles with a 2x1 cluster: at 4096^3 (512
+    tiles, the 4th wave 116/132 full) stream-K forced took 192 us against 184 data-parallel;
+    at 8192^3 (2048 tiles, the 16th wave 68/132 full) 1423 against 1437. At 3072x768x3072
+    (128x192 tiles, 96 for 132 SMs) 30.1 us against 27.3."""
+    template = get_template("sm90_cutlass")
+    dp = sm90(tile_scheduler="streamk", raster_order="along_n", max_swizzle_size=8)
+    forced = {**dp, "decomposition": "streamk"}
+    for problem, faster in ((Problem(4096, 4096, 4096), False), (Problem(8192, 8192, 8192), True)):
+        assert template.space.cost_inputs(forced, 90, problem, 132)["stream_k_tiles"] > 0
+        assert (predict_us(template, forced, problem, H200) < predict_us(template, dp, problem, H200)) == faster
+    few = Problem(3072, 768, 3072)
+    dp, forced = {**dp, "tile_n": 192, "cluster_m": 1}, {**forced, "tile_n": 192, "cluster_m": 1}
+    assert template.space.cost_inputs(forced, 90, few, 132)["stream_k_tiles"] == 96
+    assert predict_us(template, dp, few, H200) < predict_us(template, forced, few, H200)
+    # Tiles that fill whole waves leave stream-K nothing to do.
+    assert template.space.cost_inputs(forced, 90, Problem(128 * 132, 192, 4096), 132)["stream_k_tiles"] == 0
+
+
+def test_the_even_grid_ranks_ahead_only_where_the_last_wave_is_partial():
+    """Measured on the H200 (eighth round), 128 CTAs of 4 tiles instead of 116 of 4 and 16 of
+    3: 180.9 against 181.4 us at 4096^3, 1414 against 1423 at 8192^3."""
+    template = get_template("sm90_cutlass")
+    full = sm90(raster_order="along_n", max_swizzle_size=8)
+    even = {**full, "grid": "even"}
+    assert predict_us(template, even, Problem(4096, 4096, 4096), H200) < predict_us(template, full, Problem(4096, 4096, 4096), H200)
+    for same in (Problem(128 * 132, 256, 4096), Problem(1024, 1024, 4096)):  # whole waves; fewer tiles than SMs
+        assert predict_us(template, even, same, H200) == predict_us(template, full, same, H200)

@@ -77,8 +77,8 @@ VARIANTS = [("fp16", "nn"), ("bf16", "nt"), ("fp16", "nt"), ("bf16", "nn")]
 # persistent cooperative kernel. K = 4096 and 2048 run there in 8 and 4 slices, K = 8200 and
 # 520 (K / 8 odd) and K % 8 in one. Stream-K forced: at 4096^3 the last two of four waves of
 # tiles, on the shapes of fewer tiles than SMs all of them, are cut into runs of K iterations
-# (partial tiles summed through the workspace). 160-column tiles (five epilogue subtiles; B's
-# shared-memory atom 32 columns wide in nn), persistent and not.
+# (partial tiles summed through the workspace). The even grid (fewer CTAs than SMs where the
+# last wave is partial: 128 for the 512 tiles of 4096^3), also over parallel split-K's slices.
 SM90_CONFIGS = [({}, v) for v in VARIANTS] + [
     ({"tile_n": "128", "tile_scheduler": "streamk", "splits": "4", "reduction": "nondeterministic"}, ("fp16", "nn")),
     ({"tile_n": "128", "tile_scheduler": "streamk"}, ("bf16", "nt")),
@@ -88,8 +88,9 @@ SM90_CONFIGS = [({}, v) for v in VARIANTS] + [
     ({"tile_scheduler": "streamk", "decomposition": "streamk"}, ("fp16", "nn")),
     ({"tile_m": "256", "tile_n": "128", "cluster_m": "1", "cluster_n": "2", "tile_scheduler": "streamk",
       "decomposition": "streamk", "reduction": "nondeterministic"}, ("bf16", "nt")),
-    ({"tile_n": "160"}, ("bf16", "nn")),
-    ({"kernel_schedule": "warpspecialized", "tile_n": "160", "cluster_m": "1"}, ("fp16", "nt")),
+    ({"grid": "even", "raster_order": "along_n", "max_swizzle_size": "8"}, ("bf16", "nn")),
+    ({"tile_m": "256", "tile_n": "128", "cluster_m": "1", "grid": "even", "splits": "4", "reduction": "parallel"},
+     ("fp16", "nt")),
 ]
 
 

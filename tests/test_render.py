@@ -150,3 +150,14 @@ def test_kernels_launch_early_but_wait_for_their_predecessor_except_stream_k():
     body = sm80[sm80.index("gemm_kernel(const Element*"):]
     assert body.index("griddepcontrol.wait") < body.index("cur_a(")  # before the first load
     assert "binaryVersion >= 90" in sm80 and "cudaLaunchAttributeProgrammaticStreamSerialization" in sm80
+
+
+def test_the_even_grid_caps_the_persistent_grid_at_run_time():
+    even = render(template_candidate("sm90_cutlass", {"grid": "even"}, 90), Problem(1, 1, 1, "fp16", "nn"))
+    assert "args.hw_info.max_active_clusters = std::min(facts.max_active_clusters, ctas / cluster);" in even
+    plain = render(template_candidate("sm90_cutlass", {}, 90), Problem(1, 1, 1, "fp16", "nn"))
+    assert "ctas / cluster" not in plain and "grid=" not in plain
+    # Stream-K balances its work its own way; the non-persistent kernel has one CTA per tile.
+    for wrong in ({"tile_scheduler": "streamk"}, {"kernel_schedule": "warpspecialized", "tile_n": "128"}):
+        with pytest.raises(Cudal2Error, match=re.escape("fails grid == 'all' or")):
+            template_candidate("sm90_cutlass", {"grid": "even", **wrong}, 90)
