@@ -66,11 +66,12 @@ def predict_us(template: Template, params: dict[str, Any], problem: Problem, dev
         return math.inf
     tm, tn, split = int(c["tile_m"]), int(c["tile_n"]), max(1, int(c["split_k"]))
     tiles = math.ceil(problem.m / tm) * math.ceil(problem.n / tn)
-    ctas, sms = tiles * split, device["sm_count"]
+    walked = int(c["walked_tiles"]) or tiles  # padding tiles a scheduler runs cost a tile's time
+    ctas, sms = walked * split, device["sm_count"]
     # CTAs sharing an SM at once: as many as fit, or fewer when the grid is small.
     resident = min(max(1, int(c["ctas_per_sm"])), math.ceil(ctas / sms))
     stream_k = int(c["stream_k_tiles"])
-    waves = math.ceil((tiles - stream_k) * split / (sms * resident))
+    waves = math.ceil((walked - stream_k) * split / (sms * resident))
     if stream_k:
         waves += stream_k / (sms * resident) + STREAM_K_WAIT_WAVES
     sm_flops = tensor_peak(device) / sms * float(c["efficiency"])

@@ -182,15 +182,16 @@ class Space:
         run together and wait for each other; False where they run as independent batches)
         and exposed_epilogue_bytes (default 0: bytes of a tile's output that its SM stores
         while no other tile's mainloop runs) and stream_k_tiles (default 0: tiles whose K
-        iterations are spread evenly over all SMs, stream-K). A key may read the keys above
-        it in the table."""
+        iterations are spread evenly over all SMs, stream-K) and walked_tiles (default 0: the
+        output tiles; more where a scheduler pads their count and runs the padding tiles too).
+        A key may read the keys above it in the table."""
         names = {**self.facts(params, cc), "m": problem.m, "n": problem.n, "k": problem.k,
                  "layout": problem.layout, "sm_count": sm_count}
         _assign(self.cost, names)  # in file order: a key may read the ones above it
         inputs: dict[str, Any] = {name: names[name] for name in self.cost}
         for name, default in (("requires", True), ("split_k", 1), ("extra_bytes", 0), ("extra_launches", 0),
                               ("extra_us", 0.0), ("ordered_reduction", False), ("slices_wait", True),
-                              ("exposed_epilogue_bytes", 0), ("stream_k_tiles", 0)):
+                              ("exposed_epilogue_bytes", 0), ("stream_k_tiles", 0), ("walked_tiles", 0)):
             inputs.setdefault(name, default)
         return inputs
 

@@ -162,3 +162,13 @@ def test_the_even_grid_ranks_ahead_only_where_the_last_wave_is_partial():
     assert predict_us(template, even, Problem(4096, 4096, 4096), H200) < predict_us(template, full, Problem(4096, 4096, 4096), H200)
     for same in (Problem(128 * 132, 256, 4096), Problem(1024, 1024, 4096)):  # whole waves; fewer tiles than SMs
         assert predict_us(template, even, same, H200) == predict_us(template, full, same, H200)
+
+
+def test_tiles_the_scheduler_pads_to_whole_swizzle_groups_are_paid():
+    """Measured on the H200 (eighth round), 5120^3 with 128x256 tiles and a 2x1 cluster: a
+    swizzle of 8 walks 48x24 tiles for the 40x20 of the problem, 539 us against 394 for swizzle 1."""
+    template = get_template("sm90_cutlass")
+    base = sm90(raster_order="along_n")
+    for problem, padded in ((Problem(5120, 5120, 5120), True), (Problem(4096, 4096, 4096), False)):
+        one, eight = (predict_us(template, {**base, "max_swizzle_size": s}, problem, H200) for s in (1, 8))
+        assert (eight > 1.2 * one) if padded else eight == one
