@@ -21,6 +21,7 @@ run dropped): whether a kernel runs the GPU into its power limit, and at what cl
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import random
 import statistics
@@ -95,6 +96,7 @@ def summarize(intervals: list[tuple[str, float, float]]) -> dict:
             "kernels": kernels}
 
 
+@functools.cache
 def smi_fields() -> str:
     """nvidia-smi's query fields: SM clock, power, clock-limit reasons (the field's newer name
     where the driver knows it)."""
