@@ -14,7 +14,7 @@
 #   scripts/gpu_session.sh sweep90-raster -> lines 3- of sm90_grids.txt (raster order, swizzle,
 #     stream-K) at 4096^3 and 8192^3 fp16 nn
 #   scripts/gpu_session.sh small   -> sm80_mma small tiles and split-K on small and skinny shapes
-#   scripts/gpu_session.sh devset-grids -> scripts/devset_grids.txt (or GRIDS=FILE): dev-set
+#   scripts/gpu_session.sh devset-grids -> scripts/devset_grids.txt (or GRIDS=FILE; BUDGET=seconds per kernel, 0.2): dev-set
 #     rows over fixed grids (log: <grids file name>.jsonl; precompile with
 #     scripts/precompile_grids.py FILE first)
 #   scripts/gpu_session.sh search-vs-exhaustive -> scripts/search_target.txt: per problem, the
@@ -51,7 +51,7 @@ for stage in "$@"; do
       done 2>&1 | tee "$out/devset.jsonl" ;;
     devset-grids)  # m n k dtype layout template grid...; one JSON document per line
       grep -v '^#' "${GRIDS:-scripts/devset_grids.txt}" | while read -r m n k dtype layout template grid; do
-        cudal2 bench --m "$m" --n "$n" --k "$k" --dtype "$dtype" --layout "$layout" --budget 0.2 \
+        cudal2 bench --m "$m" --n "$n" --k "$k" --dtype "$dtype" --layout "$layout" --budget "${BUDGET:-0.2}" \
           --results "$results" --template "$template" $(params "$grid") --json \
           | oneline
       done 2>&1 | tee "$out/$(basename "${GRIDS:-devset_grids.txt}" .txt).jsonl" ;;
