@@ -47,6 +47,14 @@ ORDERED_REDUCTION_BYTES_PER_US = 36e3
 # even share plus about a third of a tile's time: 0.31 at 4096^3 (128x256 tiles, 248 of them
 # stream-K), 0.33 at 8192^3 (200), 0.38 at 3072x768x3072 (128x192, all 96).
 STREAM_K_WAIT_WAVES = 1 / 3
+# Besides that wave term, stream-K costs each call a fixed time: the memset of its tile
+# counters before the launch, and the partial tiles' fp32 traffic, which a third of a tile's
+# time covers where a tile's K loop is long but not where it is short. Measured on the H200
+# (ninth round), over the model's time scaled to the best measured kernel of the problem:
+# 768x3072x768 (12 K iterations per tile) 128x128, 256x64 and 256x192 forced ran 6.4-9.7 us
+# over, 3072x768x3072 (48) 2.8-4.4 us over. With 5 us, 5120^3 (140 tiles, 80 iterations) and
+# 8192^3 still rank stream-K forced ahead of data-parallel, as measured.
+STREAM_K_FIXED_US = 5.0
 # OCCUPANCY_WARPS and SPLIT_LOSS are fitted to the recorded H200 measurements with
 # scripts/cost_check.py (29 problems, in-sample): geometric mean of the best measured among
 # the model's top 1 / top 3 over the best measured 0.963 / 0.986, and on every problem with
@@ -98,7 +106,8 @@ def predict_us(template: Template, params: dict[str, Any], problem: Problem, dev
     passes_us += int(c["extra_launches"]) * LAUNCH_US
     # Split-K slices summed in a fixed order: each waits for the one before it.
     ordered_us = (split - 1) * tm * tn * 4 / ORDERED_REDUCTION_BYTES_PER_US if c["ordered_reduction"] else 0.0
-    return gemm_us + passes_us + ordered_us + float(c["extra_us"])
+    stream_k_us = STREAM_K_FIXED_US if stream_k else 0.0
+    return gemm_us + passes_us + ordered_us + stream_k_us + float(c["extra_us"])
 
 
 def rank(templates: dict[str, Template], problem: Problem, device: dict[str, Any]) -> list[tuple[float, str, dict]]:

@@ -153,6 +153,21 @@ def test_forced_stream_k_gains_only_where_the_last_wave_leaves_enough_sms_idle()
     assert template.space.cost_inputs(forced, 90, Problem(128 * 132, 192, 4096), 132)["stream_k_tiles"] == 0
 
 
+def test_forced_stream_k_ranks_behind_one_wave_of_tiles_where_k_is_short():
+    """Measured on the H200 (ninth round, held out) at 768x3072x768, 12 K iterations per tile:
+    the non-persistent 128x192 kernel (96 tiles, one wave) 9.47 us; stream-K forced over
+    256x192 tiles (48), partial sums added as they arrive, 19.07 us with a 1x2 cluster and
+    19.23 us without. Without a fixed cost per stream-K call the model ranked both first."""
+    template, problem = get_template("sm90_cutlass"), Problem(768, 3072, 768)
+    one_wave = sm90(tile_n=192, cluster_m=1, kernel_schedule="warpspecialized")
+    forced = sm90(tile_m=256, tile_n=192, cluster_m=1, tile_scheduler="streamk", decomposition="streamk",
+                  reduction="nondeterministic")
+    for cluster_n in (1, 2):
+        assert template.space.cost_inputs({**forced, "cluster_n": cluster_n}, 90, problem, 132)["stream_k_tiles"] == 48
+        assert predict_us(template, one_wave, problem, H200) < predict_us(template, {**forced, "cluster_n": cluster_n},
+                                                                          problem, H200)
+
+
 def test_the_even_grid_ranks_ahead_only_where_the_last_wave_is_partial():
     """Measured on the H200 (eighth round), 128 CTAs of 4 tiles instead of 116 of 4 and 16 of
     3: 180.9 against 181.4 us at 4096^3, 1414 against 1423 at 8192^3."""
