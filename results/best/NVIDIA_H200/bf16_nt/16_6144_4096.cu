@@ -1,6 +1,6 @@
 // cudal2 best kernel for C[16,6144] = A[16,4096] @ W^T (bf16, layout nt, fp32 accumulation)
-// speedup 1.052x over cuBLAS (15.49 us -> 14.71 us, offline device time) on NVIDIA H200 (sm_90a)
-// measured 2026-11-30 06:28:35.481148+00:00; template sm80_mma {"block_k": 64, "block_m": 16, "block_n": 64, "group_m": 8, "min_blocks": 1, "split_k": 4, "stages": 4, "warps_m": 1, "warps_n": 2}
+// speedup 1.143x over cuBLAS (16.56 us -> 14.49 us, offline device time) on NVIDIA H200 (sm_90a)
+// measured 2026-11-30 14:43:21.026295+00:00; template sm80_mma {"block_k": 64, "block_m": 16, "block_n": 32, "epilogue": "smem", "group_m": 8, "min_blocks": 1, "split_k": 4, "stages": 4, "warps_m": 1, "warps_n": 2}
 // build: nvcc -O3 -std=c++17 -shared -Xcompiler -fPIC -gencode=arch=compute_90a,code=sm_90a -I<cutlass>/include -I<cutlass>/tools/util/include kernel.cu -o kernel.so
 // cudal2 template sm80_mma: Ampere-style tensor-core GEMM (runs on sm_80 and newer).
 // mma.sync.m16n8k16 with fp32 accumulation, ldmatrix fragment loads, a 4-stage
@@ -11,8 +11,12 @@
 // a thread-block cluster of split_k CTAs shares one output tile: each multiplies a slice of
 // K, and the partial tiles are summed through distributed shared memory in a fixed order,
 // so small or skinny problems fill the GPU without a workspace or a second launch.
+// Built for sm_90 or newer, it is launched with programmatic dependent launch: it may start
+// while the kernel before it on the stream finishes, and waits (griddepcontrol.wait) for that
+// kernel's writes before its first memory access; it lets the next kernel launch
+// (griddepcontrol.launch_dependents) once its main loop is done.
 //
-// dtype=bf16 layout=nt block=16x64x64
+// dtype=bf16 layout=nt block=16x32x64
 // warps=1x2 stages=4 group_m=8 split_k=4
 #include <cuda_runtime.h>
 
@@ -35,7 +39,7 @@ __device__ __forceinline__ Element to_element(float x) { return __float2bfloat16
 
 
 constexpr bool kTransB = true;  // B given as W[N,K]
-constexpr int BM = 16, BN = 64, BK = 64;
+constexpr int BM = 16, BN = 32, BK = 64;
 constexpr int WARPS_M = 1, WARPS_N = 2;
 constexpr int STAGES = 4, GROUP_M = 8, SPLIT_K = 4;
 constexpr int THREADS = WARPS_M * WARPS_N * 32;
@@ -54,7 +58,10 @@ constexpr int A_STAGE = A_ROWS * A_CHUNKS * 8, B_STAGE = B_ROWS * B_CHUNKS * 8; 
 // Split-K: the fp32 partial tile of a CTA, rows padded by 4 floats against bank conflicts.
 constexpr int RED_LD = BN + 4;
 constexpr int PIPE_BYTES = STAGES * (A_STAGE + B_STAGE) * (int)sizeof(Element);
-constexpr int SMEM_BYTES = SPLIT_K > 1 && BM * RED_LD * 4 > PIPE_BYTES ? BM * RED_LD * 4 : PIPE_BYTES;
+// The smem epilogue: the fp16/bf16 output tile, rows padded by 8 elements.
+constexpr int OUT_LD = BN + 8;
+constexpr int EPI_BYTES = BM * RED_LD * 4;
+constexpr int SMEM_BYTES = EPI_BYTES > PIPE_BYTES ? EPI_BYTES : PIPE_BYTES;
 static_assert(BM % SPLIT_K == 0, "each CTA of a cluster reduces BM / SPLIT_K rows");
 
 template <int L>
@@ -71,8 +78,9 @@ __device__ __forceinline__ uint32_t smem_addr(const void* p) {
 }
 
 __device__ __forceinline__ void cp_async16(void* dst, const void* src, bool valid) {
-  // src-size 0 zero-fills the 16 bytes: out-of-range chunks become zeros.
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(smem_addr(dst)),
+  // src-size 0 zero-fills the 16 bytes: out-of-range chunks become zeros. L2::128B lets the
+  // L2 fetch the whole 128-byte line, which the neighbouring chunks of the row need next.
+  asm volatile("cp.async.cg.shared.global.L2::128B [%0], [%1], 16, %2;\n" ::"r"(smem_addr(dst)),
                "l"(src), "r"(valid ? 16 : 0));
 }
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
@@ -95,25 +103,49 @@ __device__ __forceinline__ void mma(float* d, const uint32_t* a, const uint32_t*
 }
 
 // One ROWS x CHUNKS tile of 16-byte chunks of a row-major matrix with `ld` elements per
-// row, `rows` valid rows from `row0` and `cols` valid columns from `col0`; each thread
-// moves chunks tid, tid + THREADS, ... (PER of them).
+// row. Thread tid owns chunk column c = tid % CHUNKS of rows r = tid / CHUNKS, r + RPP, ...
+// (PER of them), the same in every K tile.
 template <int ROWS, int CHUNKS>
 struct TileCopy {
-  static constexpr int TOTAL = ROWS * CHUNKS, PER = (TOTAL + THREADS - 1) / THREADS;
+  static_assert(THREADS % CHUNKS == 0, "a pass of the threads covers whole rows");
+  static constexpr int RPP = THREADS / CHUNKS;  // rows per pass
+  static constexpr int PER = (ROWS + RPP - 1) / RPP;
+  static constexpr int TOTAL = ROWS * CHUNKS;
 
-  // Aligned rows (16-byte row starts, `cols` a multiple of 8): each chunk is entirely in
-  // or out of range, and cp.async moves it straight to shared memory (zeros if out).
-  static __device__ __forceinline__ void async(Element* smem, const Element* g, int ld, int row0,
-                                               int rows, int col0, int cols, int tid) {
+  // Aligned rows (16-byte row starts, column counts a multiple of 8): a chunk is entirely in
+  // or out of range, and cp.async moves it straight to shared memory (zeros if out). The
+  // cursor is one pointer and two remaining extents, advanced tile by tile, so a thread's
+  // loads cost a handful of registers however many chunks it moves.
+  struct Cursor {
+    const Element* ptr;  // this thread's first chunk of the current tile
+    int ld;
+    int rows_left, cols_left;  // valid rows from, and valid columns from, that chunk
+
+    __device__ __forceinline__ Cursor(const Element* g, int ld_, int row0, int rows, int col0, int cols,
+                                      int tid)
+        : ld(ld_) {
+      const int r = tid / CHUNKS, c = tid % CHUNKS;
+      rows_left = rows - row0 - r;
+      cols_left = cols - col0 - c * 8;
+      ptr = g + (long long)(row0 + r) * ld + col0 + c * 8;
+    }
+    __device__ __forceinline__ void next_cols(int n) { ptr += n; cols_left -= n; }
+    __device__ __forceinline__ void next_rows(int n) { ptr += (long long)n * ld; rows_left -= n; }
+  };
+
+  static __device__ __forceinline__ void async(Element* smem, const Cursor& at, int tid) {
+    const int r = tid / CHUNKS, c = tid % CHUNKS;
+    // The swizzle repeats every 8 rows: with RPP a multiple of 8 the passes are a constant apart.
+    const int first = swizzle<CHUNKS>(r, c) * 8;
+    const Element* g = at.ptr;
 #pragma unroll
     for (int i = 0; i < PER; ++i) {
-      const int idx = tid + i * THREADS;
-      if (TOTAL % THREADS == 0 || idx < TOTAL) {
-        const int r = idx / CHUNKS, c = idx % CHUNKS;
-        const int gr = row0 + r, gc = col0 + c * 8;
-        const bool valid = gr < rows && gc < cols;
-        cp_async16(smem + swizzle<CHUNKS>(r, c) * 8, valid ? g + (size_t)gr * ld + gc : g, valid);
+      if (ROWS % RPP == 0 || r + i * RPP < ROWS) {
+        const int at_smem = RPP % 8 == 0 ? first + i * RPP * CHUNKS * 8 : swizzle<CHUNKS>(r + i * RPP, c) * 8;
+        // Out of range: src-size 0 reads nothing and zero-fills.
+        cp_async16(smem + at_smem, g, i * RPP < at.rows_left && at.cols_left > 0);
       }
+      g += (long long)RPP * at.ld;
     }
   }
 
@@ -155,6 +187,9 @@ template <bool kAligned>
 __global__ void __cluster_dims__(1, 1, SPLIT_K) __launch_bounds__(THREADS, 1)
 gemm_kernel(const Element* __restrict__ A, const Element* __restrict__ B,
             Element* __restrict__ C, int M, int N, int K) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
   extern __shared__ __align__(128) unsigned char smem_raw[];
   Element* sA = reinterpret_cast<Element*>(smem_raw);
   Element* sB = sA + STAGES * A_STAGE;
@@ -179,19 +214,26 @@ gemm_kernel(const Element* __restrict__ A, const Element* __restrict__ B,
     k_tiles = max(0, min(k_tiles - kt0, per));
   }
 
-  // Aligned rows: cp.async K tile `kt` into `stage`. Unaligned: gather it into registers
-  // (fetch) and write them to `stage` later (put).
+  // Aligned rows: cp.async the next K tile into `stage` and advance the cursors. Unaligned:
+  // gather K tile `kt` into registers (fetch) and write them to `stage` later (put). Tiles
+  // are loaded in order, kt = 0, 1, 2, ... (Spreading the cp.async over the k-steps, as
+  // CUTLASS 2 does, measured 3% slower with 64-deep K tiles on an H200: docs/.)
+  typename CopyA::Cursor cur_a(A, K, bm, M, kt0 * BK, K, tid);
+  typename CopyB::Cursor cur_b = kTransB ? typename CopyB::Cursor(B, K, bn, N, kt0 * BK, K, tid)
+                                         : typename CopyB::Cursor(B, N, kt0 * BK, K, bn, N, tid);
   uint4 ra[kAligned ? 1 : CopyA::PER], rb[kAligned ? 1 : CopyB::PER];
   auto load_stage = [&](int stage, int kt) {
-    const int k0 = (kt0 + kt) * BK;
     if constexpr (kAligned) {
-      CopyA::async(sA + stage * A_STAGE, A, K, bm, M, k0, K, tid);
+      CopyA::async(sA + stage * A_STAGE, cur_a, tid);
+      CopyB::async(sB + stage * B_STAGE, cur_b, tid);
+      cur_a.next_cols(BK);
       if constexpr (kTransB) {
-        CopyB::async(sB + stage * B_STAGE, B, K, bn, N, k0, K, tid);
+        cur_b.next_cols(BK);
       } else {
-        CopyB::async(sB + stage * B_STAGE, B, N, k0, K, bn, N, tid);
+        cur_b.next_rows(BK);
       }
     } else {
+      const int k0 = (kt0 + kt) * BK;
       CopyA::fetch(ra, A, K, bm, M, k0, K, tid);
       if constexpr (kTransB) {
         CopyB::fetch(rb, B, K, bn, N, k0, K, tid);
@@ -265,17 +307,16 @@ gemm_kernel(const Element* __restrict__ A, const Element* __restrict__ B,
   __syncthreads();
   load_fragments(0, 0, 0);
   for (int kt = 0; kt < k_tiles; ++kt) {
-    const int stage = kt % STAGES;
+    const int stage = kt % STAGES, next = kt + STAGES - 1;
 #pragma unroll
     for (int ks = 0; ks < KSTEPS; ++ks) {
       if (ks == KSTEPS - 1) {
-        if (kt + STAGES - 1 < k_tiles) put_stage((kt + STAGES - 1) % STAGES);  // fetched at ks == 0
+        if (next < k_tiles) put_stage(next % STAGES);  // fetched at ks == 0
         cp_async_wait<STAGES - 2>();
         __syncthreads();  // tile kt+1 has landed, and no warp reads stage kt any more
       }
       load_fragments((ks + 1) & 1, ks == KSTEPS - 1 ? (kt + 1) % STAGES : stage, (ks + 1) % KSTEPS);
       if (ks == 0) {  // refill the stage every warp finished with before the last barrier
-        const int next = kt + STAGES - 1;
         if (next < k_tiles) load_stage(next % STAGES, next);
         cp_async_commit();
       }
@@ -286,6 +327,9 @@ gemm_kernel(const Element* __restrict__ A, const Element* __restrict__ B,
     }
   }
   cp_async_wait<0>();
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.launch_dependents;");
+#endif
 
   const int g = lane >> 2, t = lane & 3;
 
@@ -331,6 +375,17 @@ gemm_kernel(const Element* __restrict__ A, const Element* __restrict__ B,
 
 }
 
+// Whether gemm_kernel was built for sm_90 or newer, and so waits for the kernel before it
+// (griddepcontrol.wait): only then may it be launched with programmatic dependent launch.
+template <bool kAligned>
+bool waits_for_predecessor() {
+  static const bool built_for_90 = [] {
+    cudaFuncAttributes attr{};
+    return cudaFuncGetAttributes(&attr, gemm_kernel<kAligned>) == cudaSuccess && attr.binaryVersion >= 90;
+  }();
+  return built_for_90;
+}
+
 template <bool kAligned>
 int launch(const Element* A, const Element* B, Element* C, int M, int N, int K,
            cudaStream_t stream) {
@@ -342,8 +397,17 @@ int launch(const Element* A, const Element* B, Element* C, int M, int N, int K,
   }
   const long long tiles = (long long)((M + BM - 1) / BM) * ((N + BN - 1) / BN);
   if (tiles > 0x7fffffffLL) return 3;
-  gemm_kernel<kAligned><<<dim3((unsigned)tiles, 1, SPLIT_K), THREADS, smem, stream>>>(A, B, C, M, N, K);
-  return cudaGetLastError() == cudaSuccess ? 0 : 4;
+  cudaLaunchConfig_t cfg = {};
+  cfg.gridDim = dim3((unsigned)tiles, 1, SPLIT_K);
+  cfg.blockDim = dim3(THREADS, 1, 1);
+  cfg.dynamicSmemBytes = smem;
+  cfg.stream = stream;
+  cudaLaunchAttribute attr[1];
+  attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attr[0].val.programmaticStreamSerializationAllowed = 1;
+  cfg.attrs = attr;
+  cfg.numAttrs = waits_for_predecessor<kAligned>() ? 1 : 0;
+  return cudaLaunchKernelEx(&cfg, gemm_kernel<kAligned>, A, B, C, M, N, K) == cudaSuccess ? 0 : 4;
 }
 
 }  // namespace

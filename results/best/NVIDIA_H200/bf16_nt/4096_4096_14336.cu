@@ -1,15 +1,18 @@
 // cudal2 best kernel for C[4096,4096] = A[4096,14336] @ W^T (bf16, layout nt, fp32 accumulation)
-// speedup 0.993x over cuBLAS (574.58 us -> 578.64 us, offline device time) on NVIDIA H200 (sm_90a)
-// measured 2026-11-30 08:42:36.511784+00:00; template sm90_cutlass {"cluster_m": 2, "cluster_n": 1, "epilogue_schedule": "tma", "kernel_schedule": "cooperative", "max_swizzle_size": 8, "raster_order": "along_n", "stages": "auto", "tile_k": 64, "tile_m": 128, "tile_n": 256, "tile_scheduler": "persistent"}
+// speedup 0.998x over cuBLAS (598.48 us -> 599.57 us, offline device time) on NVIDIA H200 (sm_90a)
+// measured 2026-11-30 18:02:11.824509+00:00; template sm90_cutlass {"cluster_m": 2, "cluster_n": 1, "decomposition": "heuristic", "epilogue_schedule": "tma", "grid": "even", "kernel_schedule": "cooperative", "max_swizzle_size": 8, "raster_order": "along_n", "reduction": "deterministic", "splits": 1, "stages": "auto", "tile_k": 64, "tile_m": 128, "tile_n": 256, "tile_scheduler": "persistent"}
 // build: nvcc -O3 -std=c++17 -shared -Xcompiler -fPIC -gencode=arch=compute_90a,code=sm_90a -I<cutlass>/include -I<cutlass>/tools/util/include kernel.cu -o kernel.so
 // cudal2 / sm90_cutlass -- generated source, do not edit.
 //   dtype=bf16 layout=nt
 //   tile=128x256x64 cluster=2x1x1
 //   kernel_schedule=cooperative epilogue_schedule=tma stages=auto
 //   tile_scheduler=persistent raster_order=along_n max_swizzle_size=8
+//   splits=1 reduction=deterministic grid=even
 //
 // C[M,N] = A[M,K] @ W[N,K]^T; fp32 accumulation, D = 1 * acc (no source C).
-// M, N and K are run-time values.
+// M, N and K are run-time values. TMA needs rows of whole 16-byte units; where a row length
+// (K, or N) is not a multiple of 8 elements, that operand is copied into the workspace with
+// its rows padded, and the GEMM reads (or writes) the copy (see "Unaligned rows" below).
 
 // Device code is built without assert(): a call to __assertfail inside the consumer warpgroups
 // makes ptxas serialize the wgmma pipeline (warning C7510) and costs a lot of throughput. Only
@@ -19,6 +22,13 @@
 #define NDEBUG
 #endif
 
+// Programmatic dependent launch: the GEMM is launched while the kernel before it on the stream
+// may still run; it signals
+// (griddepcontrol.launch_dependents) that the next kernel may be launched once its last tiles
+// are under way, and waits (griddepcontrol.wait) for the one before to finish, its writes
+// visible, before it reads or writes global memory. Set-up overlaps; memory accesses never do.
+// (Not with stream-K: its tile counters are zeroed by a memset just before the launch.)
+#define CUTLASS_ENABLE_GDC_FOR_SM90 1
 #include <cuda_runtime.h>
 
 #include <atomic>
@@ -236,29 +246,168 @@ inline bool current_device_facts(int& device, DeviceFacts& facts) {
   return facts.usable;
 }
 
-// Kernel arguments for one call. Everything that decides the workspace size (shape, scheduler
-// options, hardware info) is set here, so cudal2_workspace_bytes and cudal2_gemm agree.
-inline typename Gemm::Arguments make_arguments(
-    void const* A, void const* B, void* D, int M, int N, int K, int device, DeviceFacts const& facts) {
+// ---- unaligned rows ----------------------------------------------------------------------------
+// TMA walks rows whose length in bytes is a multiple of 16 (8 elements) from 16-byte aligned
+// bases. A row-major operand whose row length is not (A when K % 8, B when K % 8,
+// D when N % 8) goes through a copy in the workspace whose rows are padded to a multiple of
+// 8 elements. The GEMM still sees the true M, N, K: TMA bounds its boxes by those extents,
+// so the padding is never read (loads past K are zero-filled) and never written.
+constexpr int kRowAlign = 128 / cutlass::sizeof_bits<Element>::value;
+
+inline int64_t round_up(int64_t v, int64_t to) {
+  return (v + to - 1) / to * to;
+}
+
+// Row lengths (leading dimensions, in elements) of A, B and D as the caller lays them out.
+inline int64_t natural_lda(int M, int N, int K) { return K; }
+inline int64_t natural_ldb(int M, int N, int K) { return K; }
+inline int64_t natural_ldd(int M, int N, int K) { return N; }
+// Rows of B as stored: N rows of K (W[N,K]).
+inline int64_t rows_b(int M, int N, int K) { return N; }
+
+// Where each operand lives for the GEMM, and the workspace carved out for it.
+struct Plan {
+  int64_t lda = 0, ldb = 0, ldd = 0;   // leading dimensions the GEMM uses
+  bool copy_a = false, copy_b = false, copy_d = false;
+  size_t gemm_bytes = 0;              // the kernel's own workspace (stream-K partials, flags)
+  size_t off_a = 0, off_b = 0, off_d = 0, off_p = 0, total = 0;
+  typename Gemm::Arguments args{};     // the GEMM's arguments, all but the operand pointers
+};
+
+constexpr size_t kWorkspaceAlign = 256;
+
+inline size_t align_bytes(size_t v) {
+  return (v + kWorkspaceAlign - 1) / kWorkspaceAlign * kWorkspaceAlign;
+}
+
+// Copies a rows x cols block of 16-bit elements between leading dimensions, where one side's
+// rows may start at any 2-byte boundary. Each thread writes whole 16-byte chunks of the
+// destination row: it loads the one or two aligned 16-byte chunks of the source that hold
+// those 8 elements and shifts them into place (the shift is the same for a whole row, so it
+// is a template argument picked per row). An aligned 16-byte chunk that holds a valid
+// element never crosses a page, so reading its other bytes is safe; they are discarded.
+// The unaligned head and tail of a destination row are copied element by element.
+constexpr int kCopyThreads = 128;
+constexpr int kChunk = 8;  // elements per 16-byte chunk
+
+// Elements O .. O+7 of the 16 held in lo:hi (little-endian 16-bit lanes of 32-bit words).
+template <int O>
+__device__ __forceinline__ uint4 shifted(uint4 const& lo, uint4 const& hi) {
+  uint32_t const w[8] = {lo.x, lo.y, lo.z, lo.w, hi.x, hi.y, hi.z, hi.w};
+  constexpr int q = O / 2;
+  if constexpr (O % 2 == 0) {
+    return make_uint4(w[q], w[q + 1], w[q + 2], w[q + 3]);
+  } else {
+    return make_uint4(__funnelshift_r(w[q], w[q + 1], 16), __funnelshift_r(w[q + 1], w[q + 2], 16),
+                      __funnelshift_r(w[q + 2], w[q + 3], 16), __funnelshift_r(w[q + 3], w[q + 4], 16));
+  }
+}
+
+// The aligned body of one row: destination chunks t = first, first + step, ... < chunks, each
+// from source elements (src_at .. src_at + 7) where src_at = O (mod 8) is the chunk's start.
+template <int O>
+__device__ __forceinline__ void copy_chunks(uint16_t const* s, uint4* d, int64_t chunks, int64_t first, int64_t step) {
+  uint4 const* base = reinterpret_cast<uint4 const*>(s - O);  // 16-byte aligned
+  for (int64_t t = first; t < chunks; t += step) {
+    uint4 const lo = __ldg(base + t);
+    if constexpr (O == 0) {
+      d[t] = lo;
+    } else {
+      d[t] = shifted<O>(lo, __ldg(base + t + 1));
+    }
+  }
+}
+
+__global__ void __launch_bounds__(kCopyThreads)
+copy_rows(uint16_t const* __restrict__ src, int64_t src_ld, uint16_t* __restrict__ dst, int64_t dst_ld,
+          int rows, int cols) {
+  for (int64_t r = blockIdx.y; r < rows; r += gridDim.y) {
+    uint16_t const* s = src + r * src_ld;
+    uint16_t* d = dst + r * dst_ld;
+    // Elements before the destination row reaches a 16-byte boundary, then whole chunks.
+    int64_t const head_full = ((16 - (reinterpret_cast<uintptr_t>(d) & 15)) & 15) / 2;
+    int64_t const head = head_full < cols ? head_full : cols;
+    int64_t const chunks = (cols - head) / kChunk;
+    int64_t const body_end = head + chunks * kChunk;
+    if (blockIdx.x == 0) {
+      for (int64_t c = threadIdx.x; c < head; c += kCopyThreads) d[c] = s[c];
+      for (int64_t c = body_end + threadIdx.x; c < cols; c += kCopyThreads) d[c] = s[c];
+    }
+    uint16_t const* sb = s + head;
+    uint4* db = reinterpret_cast<uint4*>(d + head);
+    int64_t const first = int64_t(blockIdx.x) * kCopyThreads + threadIdx.x;
+    int64_t const step = int64_t(gridDim.x) * kCopyThreads;
+    switch ((reinterpret_cast<uintptr_t>(sb) & 15) / 2) {
+      case 0: copy_chunks<0>(sb, db, chunks, first, step); break;
+      case 1: copy_chunks<1>(sb, db, chunks, first, step); break;
+      case 2: copy_chunks<2>(sb, db, chunks, first, step); break;
+      case 3: copy_chunks<3>(sb, db, chunks, first, step); break;
+      case 4: copy_chunks<4>(sb, db, chunks, first, step); break;
+      case 5: copy_chunks<5>(sb, db, chunks, first, step); break;
+      case 6: copy_chunks<6>(sb, db, chunks, first, step); break;
+      default: copy_chunks<7>(sb, db, chunks, first, step); break;
+    }
+  }
+}
+
+inline cudaError_t launch_copy(void const* src, int64_t src_ld, void* dst, int64_t dst_ld, int rows, int cols,
+                               cudaStream_t stream) {
+  if (rows <= 0 || cols <= 0) {
+    return cudaSuccess;
+  }
+  int64_t const chunks = (int64_t(cols) + kChunk - 1) / kChunk;
+  dim3 grid(static_cast<unsigned>((chunks + kCopyThreads - 1) / kCopyThreads),
+            static_cast<unsigned>(rows < 65535 ? rows : 65535));
+  copy_rows<<<grid, kCopyThreads, 0, stream>>>(static_cast<uint16_t const*>(src), src_ld,
+                                                static_cast<uint16_t*>(dst), dst_ld, rows, cols);
+  return cudaGetLastError();
+}
+
+// Kernel arguments for one shape, without the operand pointers (cudal2_gemm sets them).
+// Everything that decides the workspace size (shape, scheduler options, hardware info) is set
+// here, so cudal2_workspace_bytes and cudal2_gemm agree. lda / ldb / ldd are the leading
+// dimensions of A, B and D in elements (see Plan).
+inline typename Gemm::Arguments make_arguments(int M, int N, int K, int64_t lda, int64_t ldb, int64_t ldd,
+                                               int device, DeviceFacts const& facts) {
   typename Gemm::Arguments args{};
   args.mode = cutlass::gemm::GemmUniversalMode::kGemm;
   args.problem_shape = ProblemShape{M, N, K, 1};
 
-  args.mainloop.ptr_A = static_cast<ElementA const*>(A);
-  args.mainloop.dA = cutlass::make_cute_packed_stride(StrideA{}, cute::make_shape(M, K, 1));
-  args.mainloop.ptr_B = static_cast<ElementB const*>(B);
-  args.mainloop.dB = cutlass::make_cute_packed_stride(StrideB{}, cute::make_shape(N, K, 1));
+  // A packed stride over a shape whose contiguous extent is the leading dimension gives
+  // that leading dimension.
+  args.mainloop.dA = cutlass::make_cute_packed_stride(StrideA{}, cute::make_shape(M, int(lda), 1));
+  args.mainloop.dB = cutlass::make_cute_packed_stride(StrideB{}, cute::make_shape(N, int(ldb), 1));
 
   args.epilogue.thread.alpha = ElementCompute(1);
   args.epilogue.thread.beta = ElementCompute(0);
   args.epilogue.ptr_C = nullptr;
-  args.epilogue.dC = cutlass::make_cute_packed_stride(StrideC{}, cute::make_shape(M, N, 1));
-  args.epilogue.ptr_D = static_cast<ElementD*>(D);
-  args.epilogue.dD = cutlass::make_cute_packed_stride(StrideD{}, cute::make_shape(M, N, 1));
+  args.epilogue.dC = cutlass::make_cute_packed_stride(StrideC{}, cute::make_shape(M, int(ldd), 1));
+  args.epilogue.dD = cutlass::make_cute_packed_stride(StrideD{}, cute::make_shape(M, int(ldd), 1));
 
   args.hw_info.device_id = device;
   args.hw_info.sm_count = facts.sm_count;
   args.hw_info.max_active_clusters = facts.max_active_clusters;
+  // An even grid: no more CTAs than it takes to give each as many tiles as the busiest CTA of
+  // a full grid gets (512 tiles on 132 SMs: 128 CTAs of 4 tiles, not 116 of 4 and 16 of 3).
+  // The tiles are counted as the scheduler counts them (rounded up to whole swizzle groups
+  // and clusters).
+  {
+    using SchedulerParams = cutlass::gemm::kernel::detail::PersistentTileSchedulerSm90Params;
+    int const tiles_m = (M + int(cute::size<0>(TileShape{})) - 1) / int(cute::size<0>(TileShape{}));
+    int const tiles_n = (N + int(cute::size<1>(TileShape{})) - 1) / int(cute::size<1>(TileShape{}));
+    int const swizzle = 1 << SchedulerParams::get_log_swizzle_size(tiles_m, tiles_n, 8);
+    int64_t const total = int64_t(round_up(tiles_m, swizzle * kClusterM)) * round_up(tiles_n, swizzle * kClusterN) *
+                          int64_t(cute::get<3>(args.problem_shape));
+    int const cluster = kClusterM * kClusterN;
+    int const slots = facts.max_active_clusters > 0 ? facts.max_active_clusters * cluster
+                                                    : facts.sm_count / cluster * cluster;
+    int64_t const waves = (total + slots - 1) / slots;
+    int const ctas = int(round_up((total + waves - 1) / waves, int64_t(cluster)));
+    args.hw_info.sm_count = std::min(facts.sm_count, ctas);
+    if (facts.max_active_clusters > 0) {
+      args.hw_info.max_active_clusters = std::min(facts.max_active_clusters, ctas / cluster);
+    }
+  }
 
   args.scheduler.max_swizzle_size = 8;
   args.scheduler.raster_order = RasterOrderOptions::AlongN;
@@ -271,6 +420,27 @@ inline bool shape_ok(int M, int N, int K) {
 
 inline bool aligned16(void const* p) {
   return (reinterpret_cast<std::uintptr_t>(p) & 15u) == 0;
+}
+
+// The GEMM's leading dimensions and the workspace layout for one shape: [kernel workspace]
+// [A copy] [B copy] [D copy], each present only when that operand's rows are unaligned.
+inline Plan make_plan(int M, int N, int K, int device, DeviceFacts const& facts) {
+  Plan plan;
+  plan.copy_a = natural_lda(M, N, K) % kRowAlign != 0;
+  plan.copy_b = natural_ldb(M, N, K) % kRowAlign != 0;
+  plan.copy_d = natural_ldd(M, N, K) % kRowAlign != 0;
+  plan.lda = round_up(natural_lda(M, N, K), kRowAlign);
+  plan.ldb = round_up(natural_ldb(M, N, K), kRowAlign);
+  plan.ldd = round_up(natural_ldd(M, N, K), kRowAlign);
+  plan.args = make_arguments(M, N, K, plan.lda, plan.ldb, plan.ldd, device, facts);
+  plan.gemm_bytes = Gemm::get_workspace_size(plan.args);
+  size_t const elem = sizeof(Element);
+  size_t at = align_bytes(plan.gemm_bytes);
+  if (plan.copy_a) { plan.off_a = at; at += align_bytes(size_t(M) * plan.lda * elem); }
+  if (plan.copy_b) { plan.off_b = at; at += align_bytes(size_t(rows_b(M, N, K)) * plan.ldb * elem); }
+  if (plan.copy_d) { plan.off_d = at; at += align_bytes(size_t(M) * plan.ldd * elem); }
+  plan.total = (plan.copy_a || plan.copy_b || plan.copy_d) ? at : plan.gemm_bytes;
+  return plan;
 }
 
 }  // namespace cudal2_sm90
@@ -287,8 +457,7 @@ extern "C" size_t cudal2_workspace_bytes(int M, int N, int K) {
   if (!current_device_facts(device, facts)) {
     return 0;
   }
-  auto args = make_arguments(nullptr, nullptr, nullptr, M, N, K, device, facts);
-  return Gemm::get_workspace_size(args);
+  return make_plan(M, N, K, device, facts).total;
 }
 
 extern "C" int cudal2_gemm(const void* A, const void* B, void* C, int M, int N, int K,
@@ -306,23 +475,49 @@ extern "C" int cudal2_gemm(const void* A, const void* B, void* C, int M, int N, 
   if (!current_device_facts(device, facts)) {
     return 3;
   }
-  auto args = make_arguments(A, B, C, M, N, K, device, facts);
-  // Row strides must be multiples of 16 bytes for TMA (K % 8, and N % 8 where N is a row length).
-  if (Gemm::can_implement(args) != cutlass::Status::kSuccess) {
-    return 4;
-  }
-  size_t const needed = Gemm::get_workspace_size(args);
-  if (needed > 0 && (workspace == nullptr || workspace_bytes < needed || !aligned16(workspace))) {
+  Plan const plan = make_plan(M, N, K, device, facts);
+  if (plan.total > 0 && (workspace == nullptr || workspace_bytes < plan.total || !aligned16(workspace))) {
     return 5;
   }
-  void* ws = needed > 0 ? workspace : nullptr;
+  char* ws = static_cast<char*>(workspace);
+  void const* a = plan.copy_a ? static_cast<void const*>(ws + plan.off_a) : A;
+  void const* b = plan.copy_b ? static_cast<void const*>(ws + plan.off_b) : B;
+  void* d = plan.copy_d ? static_cast<void*>(ws + plan.off_d) : C;
+  auto args = plan.args;
+  args.mainloop.ptr_A = static_cast<ElementA const*>(a);
+  args.mainloop.ptr_B = static_cast<ElementB const*>(b);
+  args.epilogue.ptr_D = static_cast<ElementD*>(d);
+  // CUTLASS checks row alignment on the problem shape, not the strides: ask it about the
+  // shape with padded rows, which is what the TMA descriptors see (the other checks, on
+  // the cluster and scheduler, do not depend on it).
+  auto padded = args;
+  padded.problem_shape = ProblemShape{M, int(round_up(N, kRowAlign)), int(round_up(get<2>(args.problem_shape), kRowAlign)),
+                                      get<3>(args.problem_shape)};
+  if (Gemm::can_implement(padded) != cutlass::Status::kSuccess) {
+    return 4;
+  }
+  if (plan.copy_a && launch_copy(A, natural_lda(M, N, K), ws + plan.off_a, plan.lda, M, K, stream) != cudaSuccess) {
+    return 8;
+  }
+  if (plan.copy_b &&
+      launch_copy(B, natural_ldb(M, N, K), ws + plan.off_b, plan.ldb, int(rows_b(M, N, K)),
+                  int(natural_ldb(M, N, K)), stream) != cudaSuccess) {
+    return 8;
+  }
+  void* gemm_ws = plan.gemm_bytes > 0 ? workspace : nullptr;
   // Stream-K: zeroes its tile counters / partial-sum flags with cudaMemsetAsync on `stream`.
-  if (GemmKernel::initialize_workspace(args, ws, stream, nullptr) != cutlass::Status::kSuccess) {
+  if (GemmKernel::initialize_workspace(args, gemm_ws, stream, nullptr) != cutlass::Status::kSuccess) {
     return 6;
   }
-  typename GemmKernel::Params params = GemmKernel::to_underlying_arguments(args, ws);
-  if (Gemm::run(params, stream) != cutlass::Status::kSuccess) {
+  typename GemmKernel::Params params = GemmKernel::to_underlying_arguments(args, gemm_ws);
+  // Programmatic dependent launch: the GEMM's set-up overlaps the tail of the kernel before it
+  // on the stream; its producer waits (griddepcontrol.wait) before the first load, and every
+  // write follows from those loads.
+  if (Gemm::run(params, stream, nullptr, /*launch_with_pdl=*/true) != cutlass::Status::kSuccess) {
     return 7;
+  }
+  if (plan.copy_d && launch_copy(ws + plan.off_d, plan.ldd, C, natural_ldd(M, N, K), M, N, stream) != cudaSuccess) {
+    return 8;
   }
   return 0;
 }

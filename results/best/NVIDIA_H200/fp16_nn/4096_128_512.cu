@@ -1,387 +1,502 @@
 // cudal2 best kernel for C[4096,128] = A[4096,512] @ B (fp16, layout nn, fp32 accumulation)
-// speedup 0.875x over cuBLAS (4.44 us -> 5.07 us, offline device time) on NVIDIA H200 (sm_90a)
-// measured 2026-11-30 08:22:33.717751+00:00; template sm80_mma {"block_k": 64, "block_m": 64, "block_n": 64, "epilogue": "smem", "group_m": 8, "min_blocks": 1, "split_k": 1, "stages": 4, "warps_m": 2, "warps_n": 2}
+// speedup 1.364x over cuBLAS (4.52 us -> 3.31 us, offline device time) on NVIDIA H200 (sm_90a)
+// measured 2026-11-30 14:51:40.539918+00:00; template sm90_cutlass {"cluster_m": 1, "cluster_n": 1, "epilogue_schedule": "tma", "kernel_schedule": "warpspecialized", "max_swizzle_size": 1, "raster_order": "heuristic", "reduction": "deterministic", "splits": 1, "stages": "auto", "tile_k": 64, "tile_m": 64, "tile_n": 64, "tile_scheduler": "persistent"}
 // build: nvcc -O3 -std=c++17 -shared -Xcompiler -fPIC -gencode=arch=compute_90a,code=sm_90a -I<cutlass>/include -I<cutlass>/tools/util/include kernel.cu -o kernel.so
-// cudal2 template sm80_mma: Ampere-style tensor-core GEMM (runs on sm_80 and newer).
-// mma.sync.m16n8k16 with fp32 accumulation, ldmatrix fragment loads, a 4-stage
-// cp.async shared-memory pipeline and XOR-swizzled shared memory. Edges are handled
-// inside the kernel: out-of-range rows and columns are zero-filled on load and masked on
-// store, and rows that are not 16-byte aligned (K or N not a multiple of 8) take a
-// scalar-load path, so every M, N, K >= 1 is supported. With split_k > 1 (sm_90 and newer)
-// a thread-block cluster of split_k CTAs shares one output tile: each multiplies a slice of
-// K, and the partial tiles are summed through distributed shared memory in a fixed order,
-// so small or skinny problems fill the GPU without a workspace or a second launch.
+// cudal2 / sm90_cutlass -- generated source, do not edit.
+//   dtype=fp16 layout=nn
+//   tile=64x64x64 cluster=1x1x1
+//   kernel_schedule=warpspecialized epilogue_schedule=tma stages=auto
+//   tile_scheduler=persistent raster_order=heuristic max_swizzle_size=1
+//   splits=1 reduction=deterministic
 //
-// dtype=fp16 layout=nn block=64x64x64
-// warps=2x2 stages=4 group_m=8 split_k=1 epilogue=smem
+// C[M,N] = A[M,K] @ B[K,N]; fp32 accumulation, D = 1 * acc (no source C).
+// M, N and K are run-time values. TMA needs rows of whole 16-byte units; where a row length
+// (K, or N) is not a multiple of 8 elements, that operand is copied into the workspace with
+// its rows padded, and the GEMM reads (or writes) the copy (see "Unaligned rows" below).
+
+// Device code is built without assert(): a call to __assertfail inside the consumer warpgroups
+// makes ptxas serialize the wgmma pipeline (warning C7510) and costs a lot of throughput. Only
+// function bodies depend on NDEBUG in CUTLASS/CuTe, so host and device passes stay consistent;
+// host-side asserts are kept.
+#if defined(__CUDA_ARCH__) && !defined(NDEBUG)
+#define NDEBUG
+#endif
+
+// Programmatic dependent launch: the GEMM is launched while the kernel before it on the stream
+// may still run; it signals
+// (griddepcontrol.launch_dependents) that the next kernel may be launched once its last tiles
+// are under way, and waits (griddepcontrol.wait) for the one before to finish, its writes
+// visible, before it reads or writes global memory. Set-up overlaps; memory accesses never do.
+// (Not with stream-K: its tile counters are zeroed by a memset just before the launch.)
+#define CUTLASS_ENABLE_GDC_FOR_SM90 1
 #include <cuda_runtime.h>
 
-#include <cuda_fp16.h>
-#include <cuda_bf16.h>
-#include <stdint.h>
+#include <atomic>
+#include <cstddef>
+#include <cstdint>
+#include <type_traits>
 
-namespace {
+#include "cute/tensor.hpp"
+#include "cutlass/cutlass.h"
+#include "cutlass/device_kernel.h"
+#include "cutlass/kernel_hardware_info.h"
+#include "cutlass/gemm/dispatch_policy.hpp"
+#include "cutlass/gemm/collective/collective_builder.hpp"
+#include "cutlass/epilogue/collective/collective_builder.hpp"
+#include "cutlass/gemm/kernel/gemm_universal.hpp"
+#include "cutlass/gemm/kernel/tile_scheduler.hpp"
+#include "cutlass/gemm/device/gemm_universal_adapter.h"
+#include "cutlass/util/packed_stride.hpp"
 
+// The warp-specialized TMA/GMMA kernels only have a body when compiled for the arch-specific
+// target (sm_90a defines __CUDA_ARCH_FEAT_SM90_ALL); for plain sm_90 CUTLASS would silently
+// produce a kernel that traps. Refuse to build that.
+#if defined(__CUDA_ARCH__) && !defined(__CUDA_ARCH_FEAT_SM90_ALL)
+#error "sm90_cutlass must be compiled for sm_90a (-gencode=arch=compute_90a,code=sm_90a)"
+#endif
+#if !defined(CUTLASS_ARCH_MMA_SM90_SUPPORTED)
+#error "sm90_cutlass needs CUDA >= 12.0 (CUTLASS_ARCH_MMA_SM90_SUPPORTED)"
+#endif
 
-using Element = __half;
-#define CUDAL2_MMA "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32"
-__device__ __forceinline__ uint32_t pack2(float lo, float hi) {
-  __half2 h = __floats2half2_rn(lo, hi);
-  return *reinterpret_cast<uint32_t*>(&h);
-}
-__device__ __forceinline__ Element to_element(float x) { return __float2half_rn(x); }
+namespace cudal2_sm90 {
 
+using namespace cute;
 
-constexpr bool kTransB = false;  // B given as W[N,K]
-constexpr int BM = 64, BN = 64, BK = 64;
-constexpr int WARPS_M = 2, WARPS_N = 2;
-constexpr int STAGES = 4, GROUP_M = 8, SPLIT_K = 1;
-constexpr int THREADS = WARPS_M * WARPS_N * 32;
-constexpr int WTM = BM / WARPS_M, WTN = BN / WARPS_N;  // warp tile
-constexpr int MT = WTM / 16, NT = WTN / 8;              // mma tiles per warp
-constexpr int KSTEPS = BK / 16;
-static_assert(WTM % 16 == 0 && WTN % 16 == 0 && BK % 32 == 0, "tile shape");
-static_assert(KSTEPS % 2 == 0, "fragment double buffering alternates per k-step");
+// ---------------------------------------------------------------------------------------------
+// Element types and layouts
+// ---------------------------------------------------------------------------------------------
+using Element = cutlass::half_t;
+using ElementA = Element;
+using ElementB = Element;
+using ElementC = void;        // no source operand: D = alpha * acc
+using ElementD = Element;
+using ElementAccumulator = float;
+using ElementCompute = float;
 
-// Shared-memory tiles are stored as rows of 16-byte chunks. A tile is BM x BK, B is
-// BK x BN (nn) or BN x BK (nt). The chunk column is XOR-swizzled with the row so that the
-// eight row addresses of one ldmatrix land in eight different 16-byte bank groups.
-constexpr int A_ROWS = BM, A_CHUNKS = BK / 8;
-constexpr int B_ROWS = kTransB ? BN : BK, B_CHUNKS = kTransB ? BK / 8 : BN / 8;
-constexpr int A_STAGE = A_ROWS * A_CHUNKS * 8, B_STAGE = B_ROWS * B_CHUNKS * 8;  // elements
-// Split-K: the fp32 partial tile of a CTA, rows padded by 4 floats against bank conflicts.
-constexpr int RED_LD = BN + 4;
-constexpr int PIPE_BYTES = STAGES * (A_STAGE + B_STAGE) * (int)sizeof(Element);
-// The smem epilogue: the fp16/bf16 output tile, rows padded by 8 elements.
-constexpr int OUT_LD = BN + 8;
-constexpr int EPI_BYTES = BM * OUT_LD * 2;
-constexpr int SMEM_BYTES = EPI_BYTES > PIPE_BYTES ? EPI_BYTES : PIPE_BYTES;
-static_assert(BM % SPLIT_K == 0, "each CTA of a cluster reduces BM / SPLIT_K rows");
+// A is M x K row-major (K-major).
+using LayoutA = cutlass::layout::RowMajor;
+// B is K x N row-major: CUTLASS's B operand (K x N) is row-major, i.e. N-major.
+using LayoutB = cutlass::layout::RowMajor;
+// C/D is M x N row-major.
+using LayoutC = cutlass::layout::RowMajor;
+using LayoutD = cutlass::layout::RowMajor;
 
-template <int L>
-__device__ __forceinline__ int swizzle(int row, int chunk) {
-  if constexpr (L >= 8) {
-    return row * L + (chunk ^ (row & 7));
-  } else {
-    return row * L + (chunk ^ ((row / (8 / L)) % L));
-  }
-}
+// 16-byte vectors (TMA needs 16-byte aligned rows): 8 elements of 16 bits.
+constexpr int AlignmentA = 128 / cutlass::sizeof_bits<ElementA>::value;
+constexpr int AlignmentB = 128 / cutlass::sizeof_bits<ElementB>::value;
+constexpr int AlignmentD = 128 / cutlass::sizeof_bits<ElementD>::value;
+constexpr int AlignmentC = AlignmentD;  // C is void; value only has to be well-formed
 
-__device__ __forceinline__ uint32_t smem_addr(const void* p) {
-  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
-}
+// ---------------------------------------------------------------------------------------------
+// Tiling and schedules
+// ---------------------------------------------------------------------------------------------
+using TileShape    = Shape<Int<64>, Int<64>, Int<64>>;
+using ClusterShape = Shape<Int<1>, Int<1>, _1>;
 
-__device__ __forceinline__ void cp_async16(void* dst, const void* src, bool valid) {
-  // src-size 0 zero-fills the 16 bytes: out-of-range chunks become zeros. L2::128B lets the
-  // L2 fetch the whole 128-byte line, which the neighbouring chunks of the row need next.
-  asm volatile("cp.async.cg.shared.global.L2::128B [%0], [%1], 16, %2;\n" ::"r"(smem_addr(dst)),
-               "l"(src), "r"(valid ? 16 : 0));
-}
-__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
-template <int N>
-__device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;\n" ::"n"(N)); }
+using KernelSchedule = cutlass::gemm::KernelTmaWarpSpecialized;
+// Whether the mainloop ends up cooperative (two consumer warpgroups sharing one tile). For
+// "auto", CUTLASS picks cooperative unless tile_m == 64 (then ping-pong); checked below.
+constexpr bool kCooperative = false;
 
-__device__ __forceinline__ void ldmatrix_x4(uint32_t* r, uint32_t addr) {
-  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 { %0,%1,%2,%3}, [%4];\n"
-               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(addr));
-}
-__device__ __forceinline__ void ldmatrix_x4_trans(uint32_t* r, uint32_t addr) {
-  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 { %0,%1,%2,%3}, [%4];\n"
-               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(addr));
-}
+// TMA warp-specialized epilogue, matched to the mainloop schedule.
+using EpilogueSchedule = cutlass::epilogue::TmaWarpSpecialized;
 
-__device__ __forceinline__ void mma(float* d, const uint32_t* a, const uint32_t* b) {
-  asm volatile(CUDAL2_MMA " { %0,%1,%2,%3}, { %4,%5,%6,%7}, { %8,%9}, { %0,%1,%2,%3};\n"
-               : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-               : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
-}
+using TileSchedulerTag = cutlass::gemm::PersistentScheduler;
 
-// One ROWS x CHUNKS tile of 16-byte chunks of a row-major matrix with `ld` elements per
-// row. Thread tid owns chunk column c = tid % CHUNKS of rows r = tid / CHUNKS, r + RPP, ...
-// (PER of them), the same in every K tile.
-template <int ROWS, int CHUNKS>
-struct TileCopy {
-  static_assert(THREADS % CHUNKS == 0, "a pass of the threads covers whole rows");
-  static constexpr int RPP = THREADS / CHUNKS;  // rows per pass
-  static constexpr int PER = (ROWS + RPP - 1) / RPP;
-  static constexpr int TOTAL = ROWS * CHUNKS;
+// ---------------------------------------------------------------------------------------------
+// Collectives and kernel
+// ---------------------------------------------------------------------------------------------
+using FusionOp = cutlass::epilogue::fusion::LinearCombination<ElementD, ElementCompute, ElementC, ElementCompute>;
 
-  // Aligned rows (16-byte row starts, column counts a multiple of 8): a chunk is entirely in
-  // or out of range, and cp.async moves it straight to shared memory (zeros if out). The
-  // cursor is one pointer and two remaining extents, advanced tile by tile, so a thread's
-  // loads cost a handful of registers however many chunks it moves.
-  struct Cursor {
-    const Element* ptr;  // this thread's first chunk of the current tile
-    int ld;
-    int rows_left, cols_left;  // valid rows from, and valid columns from, that chunk
+using CollectiveEpilogue = typename cutlass::epilogue::collective::CollectiveBuilder<
+    cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp,
+    TileShape, ClusterShape,
+    cutlass::epilogue::collective::EpilogueTileAuto,
+    ElementAccumulator, ElementCompute,
+    ElementC, LayoutC, AlignmentC,
+    ElementD, LayoutD, AlignmentD,
+    EpilogueSchedule,
+    FusionOp
+  >::CollectiveOp;
 
-    __device__ __forceinline__ Cursor(const Element* g, int ld_, int row0, int rows, int col0, int cols,
-                                      int tid)
-        : ld(ld_) {
-      const int r = tid / CHUNKS, c = tid % CHUNKS;
-      rows_left = rows - row0 - r;
-      cols_left = cols - col0 - c * 8;
-      ptr = g + (long long)(row0 + r) * ld + col0 + c * 8;
-    }
-    __device__ __forceinline__ void next_cols(int n) { ptr += n; cols_left -= n; }
-    __device__ __forceinline__ void next_rows(int n) { ptr += (long long)n * ld; rows_left -= n; }
-  };
+// As many stages as fit next to the epilogue's shared memory.
+using StageCountType = cutlass::gemm::collective::StageCountAutoCarveout<
+    static_cast<int>(sizeof(typename CollectiveEpilogue::SharedStorage))>;
 
-  static __device__ __forceinline__ void async(Element* smem, const Cursor& at, int tid) {
-    const int r = tid / CHUNKS, c = tid % CHUNKS;
-    // The swizzle repeats every 8 rows: with RPP a multiple of 8 the passes are a constant apart.
-    const int first = swizzle<CHUNKS>(r, c) * 8;
-    const Element* g = at.ptr;
-#pragma unroll
-    for (int i = 0; i < PER; ++i) {
-      if (ROWS % RPP == 0 || r + i * RPP < ROWS) {
-        const int at_smem = RPP % 8 == 0 ? first + i * RPP * CHUNKS * 8 : swizzle<CHUNKS>(r + i * RPP, c) * 8;
-        // Out of range: src-size 0 reads nothing and zero-fills.
-        cp_async16(smem + at_smem, g, i * RPP < at.rows_left && at.cols_left > 0);
-      }
-      g += (long long)RPP * at.ld;
-    }
-  }
+using CollectiveMainloop = typename cutlass::gemm::collective::CollectiveBuilder<
+    cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp,
+    ElementA, LayoutA, AlignmentA,
+    ElementB, LayoutB, AlignmentB,
+    ElementAccumulator,
+    TileShape, ClusterShape,
+    StageCountType,
+    KernelSchedule
+  >::CollectiveOp;
 
-  // Unaligned rows: chunks are gathered element by element (bounds-checked) into
-  // registers; `put` writes them to shared memory later, so the loads' latency overlaps
-  // the multiplies in between instead of stalling the warp.
-  static __device__ __forceinline__ void fetch(uint4* regs, const Element* g, int ld, int row0,
-                                               int rows, int col0, int cols, int tid) {
-#pragma unroll
-    for (int i = 0; i < PER; ++i) {
-      const int idx = tid + i * THREADS;
-      if (TOTAL % THREADS == 0 || idx < TOTAL) {
-        const int r = idx / CHUNKS, c = idx % CHUNKS;
-        const int gr = row0 + r, gc = col0 + c * 8;
-        alignas(16) Element v[8];
-#pragma unroll
-        for (int e = 0; e < 8; ++e) {
-          v[e] = (gr < rows && gc + e < cols) ? g[(size_t)gr * ld + gc + e] : to_element(0.f);
-        }
-        regs[i] = *reinterpret_cast<const uint4*>(v);
-      }
-    }
-  }
+using ProblemShape = Shape<int, int, int, int>;  // M, N, K, L (L = 1)
 
-  static __device__ __forceinline__ void put(Element* smem, const uint4* regs, int tid) {
-#pragma unroll
-    for (int i = 0; i < PER; ++i) {
-      const int idx = tid + i * THREADS;
-      if (TOTAL % THREADS == 0 || idx < TOTAL) {
-        *reinterpret_cast<uint4*>(smem + swizzle<CHUNKS>(idx / CHUNKS, idx % CHUNKS) * 8) = regs[i];
-      }
-    }
-  }
+using GemmKernel = cutlass::gemm::kernel::GemmUniversal<
+    ProblemShape, CollectiveMainloop, CollectiveEpilogue, TileSchedulerTag>;
+
+using Gemm = cutlass::gemm::device::GemmUniversalAdapter<GemmKernel>;
+
+using ResolvedSchedule = typename CollectiveMainloop::DispatchPolicy::Schedule;
+static_assert(std::is_same_v<ResolvedSchedule, cutlass::gemm::KernelTmaWarpSpecializedCooperative> == kCooperative,
+              "template assumption about the resolved mainloop schedule is wrong");
+static_assert(CollectiveMainloop::DispatchPolicy::Stages >= 2, "need at least two pipeline stages");
+
+using StrideA = typename GemmKernel::StrideA;
+using StrideB = typename GemmKernel::StrideB;
+using StrideC = typename GemmKernel::StrideC;
+using StrideD = typename GemmKernel::StrideD;
+using RasterOrderOptions = cutlass::gemm::kernel::detail::RasterOrderOptions;
+
+constexpr int kClusterM = 1;
+constexpr int kClusterN = 1;
+constexpr int kSmemBytes = GemmKernel::SharedStorageSize;
+
+// ---- host side -------------------------------------------------------------------------------
+
+// Per-device facts that do not depend on the problem: SM count, the number of co-resident
+// clusters of this kernel, and whether the kernel can run there at all.
+struct DeviceFacts {
+  int sm_count = 0;
+  int max_active_clusters = 0;
+  bool usable = false;
 };
-using CopyA = TileCopy<A_ROWS, A_CHUNKS>;
-using CopyB = TileCopy<B_ROWS, B_CHUNKS>;
 
-template <bool kAligned>
-__global__ void __launch_bounds__(THREADS, 1)
-gemm_kernel(const Element* __restrict__ A, const Element* __restrict__ B,
-            Element* __restrict__ C, int M, int N, int K) {
-  extern __shared__ __align__(128) unsigned char smem_raw[];
-  Element* sA = reinterpret_cast<Element*>(smem_raw);
-  Element* sB = sA + STAGES * A_STAGE;
+constexpr int kMaxCachedDevices = 64;
 
-  // Grouped rasterisation: GROUP_M row-blocks walk the columns together for L2 reuse.
-  const int tiles_m = (M + BM - 1) / BM, tiles_n = (N + BN - 1) / BN;
-  const int pid = blockIdx.x;
-  const int per_group = GROUP_M * tiles_n;
-  const int first_m = (pid / per_group) * GROUP_M;
-  const int group_rows = min(tiles_m - first_m, GROUP_M);
-  const int tile_m = first_m + (pid % per_group) % group_rows;
-  const int tile_n = (pid % per_group) / group_rows;
-  const int bm = tile_m * BM, bn = tile_n * BN;
+struct DeviceSlot {
+  std::atomic<int> state;  // 0 = unknown, 1 = filled
+  DeviceFacts facts;
+};
 
-  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
-  const int wm = warp / WARPS_N, wn = warp % WARPS_N;
-  // This CTA's K tiles: all of them, or with split-K the slice of its rank (possibly none).
-  int kt0 = 0, k_tiles = (K + BK - 1) / BK;
-  if constexpr (SPLIT_K > 1) {
-    const int per = (k_tiles + SPLIT_K - 1) / SPLIT_K;
-    kt0 = blockIdx.z * per;
-    k_tiles = max(0, min(k_tiles - kt0, per));
+// Internal linkage: every loaded kernel library keeps its own cache (an `inline` variable
+// would be one symbol shared by all libraries in the process).
+static DeviceSlot g_device_slots[kMaxCachedDevices];
+
+inline DeviceFacts query_device_facts(int device) {
+  DeviceFacts f;
+  int major = 0, minor = 0, sms = 0, smem_optin = 0;
+  if (cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device) != cudaSuccess ||
+      cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, device) != cudaSuccess ||
+      cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device) != cudaSuccess ||
+      cudaDeviceGetAttribute(&smem_optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, device) != cudaSuccess) {
+    (void)cudaGetLastError();
+    return f;
   }
-
-  // Aligned rows: cp.async the next K tile into `stage` and advance the cursors. Unaligned:
-  // gather K tile `kt` into registers (fetch) and write them to `stage` later (put). Tiles
-  // are loaded in order, kt = 0, 1, 2, ... (Spreading the cp.async over the k-steps, as
-  // CUTLASS 2 does, measured 3% slower with 64-deep K tiles on an H200: docs/.)
-  typename CopyA::Cursor cur_a(A, K, bm, M, kt0 * BK, K, tid);
-  typename CopyB::Cursor cur_b = kTransB ? typename CopyB::Cursor(B, K, bn, N, kt0 * BK, K, tid)
-                                         : typename CopyB::Cursor(B, N, kt0 * BK, K, bn, N, tid);
-  uint4 ra[kAligned ? 1 : CopyA::PER], rb[kAligned ? 1 : CopyB::PER];
-  auto load_stage = [&](int stage, int kt) {
-    if constexpr (kAligned) {
-      CopyA::async(sA + stage * A_STAGE, cur_a, tid);
-      CopyB::async(sB + stage * B_STAGE, cur_b, tid);
-      cur_a.next_cols(BK);
-      if constexpr (kTransB) {
-        cur_b.next_cols(BK);
-      } else {
-        cur_b.next_rows(BK);
-      }
-    } else {
-      const int k0 = (kt0 + kt) * BK;
-      CopyA::fetch(ra, A, K, bm, M, k0, K, tid);
-      if constexpr (kTransB) {
-        CopyB::fetch(rb, B, K, bn, N, k0, K, tid);
-      } else {
-        CopyB::fetch(rb, B, N, k0, K, bn, N, tid);
-      }
-    }
-  };
-  auto put_stage = [&](int stage) {
-    if constexpr (!kAligned) {
-      CopyA::put(sA + stage * A_STAGE, ra, tid);
-      CopyB::put(sB + stage * B_STAGE, rb, tid);
-    }
-  };
-
-  float acc[MT][NT][4];
-#pragma unroll
-  for (int i = 0; i < MT; ++i)
-#pragma unroll
-    for (int j = 0; j < NT; ++j)
-#pragma unroll
-      for (int e = 0; e < 4; ++e) acc[i][j][e] = 0.f;
-
-#pragma unroll
-  for (int s = 0; s < STAGES - 1; ++s) {
-    if (s < k_tiles) {
-      load_stage(s, s);
-      put_stage(s);
-    }
-    cp_async_commit();
+  // sm_90a code runs on compute capability 9.0 only.
+  if (major != 9 || minor != 0 || sms <= 0 || smem_optin < kSmemBytes) {
+    return f;
   }
-
-  uint32_t fa[2][MT][4], fb[2][NT][2];
-  // Byte offsets of this lane's first fragment rows within a stage. A row's swizzle depends
-  // only on row & 7, which the lane fixes, and tile sizes are powers of two, so the other
-  // mma tiles and k-steps are a constant added to these and a constant XORed into the
-  // chunk bits: no per-fragment address registers.
-  const uint32_t a_lane = swizzle<A_CHUNKS>(wm * WTM + (lane & 15), lane >> 4) * 16;
-  const uint32_t b_lane = kTransB
-      ? swizzle<B_CHUNKS>(wn * WTN + (lane & 7) + ((lane >> 4) << 3), (lane >> 3) & 1) * 16
-      : swizzle<B_CHUNKS>((lane & 7) + (((lane >> 3) & 1) << 3), wn * WTN / 8 + (lane >> 4)) * 16;
-  const uint32_t sA_addr = smem_addr(sA), sB_addr = smem_addr(sB);
-  // Fragment loads for k-step `ks` of shared stage `stage` into register buffer `buf`.
-  auto load_fragments = [&](int buf, int stage, int ks) {
-    const uint32_t a = sA_addr + stage * A_STAGE * 2, b = sB_addr + stage * B_STAGE * 2;
-#pragma unroll
-    for (int i = 0; i < MT; ++i) {
-      ldmatrix_x4(fa[buf][i], a + ((a_lane + i * 16 * A_CHUNKS * 16) ^ (ks * 32)));
-    }
-#pragma unroll
-    for (int j = 0; j < NT; j += 2) {
-      uint32_t r[4];
-      if constexpr (kTransB) {
-        // W tile is n-major: matrices (n0-7,k0-7) (n0-7,k8-15) (n8-15,k0-7) (n8-15,k8-15).
-        ldmatrix_x4(r, b + ((b_lane + j * 8 * B_CHUNKS * 16) ^ (ks * 32)));
-      } else {
-        // B tile is k-major: transposed loads of (k0-7,n0-7) (k8-15,n0-7) (k0-7,n8-15) (k8-15,n8-15).
-        ldmatrix_x4_trans(r, b + ((b_lane + ks * 16 * B_CHUNKS * 16) ^ (j * 16)));
-      }
-      fb[buf][j][0] = r[0];
-      fb[buf][j][1] = r[1];
-      fb[buf][j + 1][0] = r[2];
-      fb[buf][j + 1][1] = r[3];
-    }
-  };
-
-  // Main loop. Fragments for the next k-step are loaded while this one multiplies; at the
-  // last k-step of a tile the barrier comes first, so the next tile's first fragments are
-  // loaded before the last multiplies of this one and the barrier's wait overlaps them.
-  cp_async_wait<STAGES - 2>();
-  __syncthreads();
-  load_fragments(0, 0, 0);
-  for (int kt = 0; kt < k_tiles; ++kt) {
-    const int stage = kt % STAGES, next = kt + STAGES - 1;
-#pragma unroll
-    for (int ks = 0; ks < KSTEPS; ++ks) {
-      if (ks == KSTEPS - 1) {
-        if (next < k_tiles) put_stage(next % STAGES);  // fetched at ks == 0
-        cp_async_wait<STAGES - 2>();
-        __syncthreads();  // tile kt+1 has landed, and no warp reads stage kt any more
-      }
-      load_fragments((ks + 1) & 1, ks == KSTEPS - 1 ? (kt + 1) % STAGES : stage, (ks + 1) % KSTEPS);
-      if (ks == 0) {  // refill the stage every warp finished with before the last barrier
-        if (next < k_tiles) load_stage(next % STAGES, next);
-        cp_async_commit();
-      }
-#pragma unroll
-      for (int i = 0; i < MT; ++i)
-#pragma unroll
-        for (int j = 0; j < NT; ++j) mma(acc[i][j], fa[ks & 1][i], fb[ks & 1][j]);
+  // The kernel's dynamic shared memory exceeds the 48 KiB default: opt in (once per device).
+  if (kSmemBytes >= (48 << 10)) {
+    if (cudaFuncSetAttribute(cutlass::device_kernel<GemmKernel>,
+                             cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemBytes) != cudaSuccess) {
+      (void)cudaGetLastError();
+      return f;
     }
   }
-  cp_async_wait<0>();
-
-  const int g = lane >> 2, t = lane & 3;
-
-  // Epilogue through shared memory: the warps park their tile, rounded, in shared memory
-  // (rows padded by 8 elements, so the 8 rows of one store hit 8 different bank groups);
-  // then each thread stores whole 16-byte chunks of rows, so every 128-byte line of C is
-  // written by one instruction in full.
-  Element* out_tile = reinterpret_cast<Element*>(smem_raw);
-  __syncthreads();  // no warp reads the pipeline's shared memory any more
-#pragma unroll
-  for (int i = 0; i < MT; ++i)
-#pragma unroll
-    for (int j = 0; j < NT; ++j)
-#pragma unroll
-      for (int h = 0; h < 2; ++h) {
-        const int r = wm * WTM + i * 16 + g + 8 * h, c = wn * WTN + j * 8 + 2 * t;
-        *reinterpret_cast<uint32_t*>(out_tile + r * OUT_LD + c) = pack2(acc[i][j][2 * h], acc[i][j][2 * h + 1]);
-      }
-  __syncthreads();
-  constexpr int OUT_CHUNKS = BN / 8;
-  const bool vector_store = (N & 7) == 0 && (reinterpret_cast<uintptr_t>(C) & 15) == 0;
-#pragma unroll 4
-  for (int idx = tid; idx < BM * OUT_CHUNKS; idx += THREADS) {
-    const int r = idx / OUT_CHUNKS, c = (idx % OUT_CHUNKS) * 8;
-    const int row = bm + r, col = bn + c;
-    if (row >= M || col >= N) continue;
-    const Element* src = out_tile + r * OUT_LD + c;
-    Element* out = C + (size_t)row * N + col;
-    if (vector_store && col + 8 <= N) {
-      *reinterpret_cast<uint4*>(out) = *reinterpret_cast<const uint4*>(src);
-    } else {
-      for (int e = 0; e < 8 && col + e < N; ++e) out[e] = src[e];
+  f.sm_count = sms;
+  // How many clusters fit at once; the persistent / stream-K schedulers size their grid with it.
+  // 0 (unknown) makes CUTLASS fall back to its GH100 occupancy heuristic.
+  if (kClusterM * kClusterN > 1) {
+    cudaLaunchAttribute attr[1];
+    attr[0].id = cudaLaunchAttributeClusterDimension;
+    attr[0].val.clusterDim.x = kClusterM;
+    attr[0].val.clusterDim.y = kClusterN;
+    attr[0].val.clusterDim.z = 1;
+    cudaLaunchConfig_t cfg = {};
+    cfg.gridDim = dim3(kClusterM, kClusterN, 1);
+    cfg.blockDim = dim3(GemmKernel::MaxThreadsPerBlock, 1, 1);
+    cfg.dynamicSmemBytes = static_cast<size_t>(kSmemBytes);
+    cfg.stream = nullptr;
+    cfg.attrs = attr;
+    cfg.numAttrs = 1;
+    int clusters = 0;
+    if (cudaOccupancyMaxActiveClusters(&clusters, (void const*)cutlass::device_kernel<GemmKernel>, &cfg)
+        != cudaSuccess) {
+      (void)cudaGetLastError();
+      clusters = 0;
     }
+    f.max_active_clusters = clusters > 0 ? clusters : 0;
   }
-
+  f.usable = true;
+  return f;
 }
 
-template <bool kAligned>
-int launch(const Element* A, const Element* B, Element* C, int M, int N, int K,
-           cudaStream_t stream) {
-  constexpr int smem = SMEM_BYTES;
-  // Per function and device; cheap, and capture-safe, so set on every call.
-  if (cudaFuncSetAttribute(gemm_kernel<kAligned>, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                           smem) != cudaSuccess) {
-    return 2;
+// Facts for the current device (cached; the first call per device does the queries).
+inline bool current_device_facts(int& device, DeviceFacts& facts) {
+  if (cudaGetDevice(&device) != cudaSuccess) {
+    (void)cudaGetLastError();
+    return false;
   }
-  const long long tiles = (long long)((M + BM - 1) / BM) * ((N + BN - 1) / BN);
-  if (tiles > 0x7fffffffLL) return 3;
-  gemm_kernel<kAligned><<<dim3((unsigned)tiles, 1, SPLIT_K), THREADS, smem, stream>>>(A, B, C, M, N, K);
-  return cudaGetLastError() == cudaSuccess ? 0 : 4;
+  if (device < 0 || device >= kMaxCachedDevices) {
+    facts = query_device_facts(device);
+    return facts.usable;
+  }
+  DeviceSlot& slot = g_device_slots[device];
+  if (slot.state.load(std::memory_order_acquire) != 1) {
+    // A race between two first callers only repeats idempotent queries.
+    slot.facts = query_device_facts(device);
+    slot.state.store(1, std::memory_order_release);
+  }
+  facts = slot.facts;
+  return facts.usable;
 }
 
-}  // namespace
+// ---- unaligned rows ----------------------------------------------------------------------------
+// TMA walks rows whose length in bytes is a multiple of 16 (8 elements) from 16-byte aligned
+// bases. A row-major operand whose row length is not (A when K % 8, B when N % 8,
+// D when N % 8) goes through a copy in the workspace whose rows are padded to a multiple of
+// 8 elements. The GEMM still sees the true M, N, K: TMA bounds its boxes by those extents,
+// so the padding is never read (loads past K are zero-filled) and never written.
+constexpr int kRowAlign = 128 / cutlass::sizeof_bits<Element>::value;
+
+inline int64_t round_up(int64_t v, int64_t to) {
+  return (v + to - 1) / to * to;
+}
+
+// Row lengths (leading dimensions, in elements) of A, B and D as the caller lays them out.
+inline int64_t natural_lda(int M, int N, int K) { return K; }
+inline int64_t natural_ldb(int M, int N, int K) { return N; }
+inline int64_t natural_ldd(int M, int N, int K) { return N; }
+// Rows of B as stored: K rows of N (B[K,N]).
+inline int64_t rows_b(int M, int N, int K) { return K; }
+
+// Where each operand lives for the GEMM, and the workspace carved out for it.
+struct Plan {
+  int64_t lda = 0, ldb = 0, ldd = 0;   // leading dimensions the GEMM uses
+  bool copy_a = false, copy_b = false, copy_d = false;
+  size_t gemm_bytes = 0;              // the kernel's own workspace (stream-K partials, flags)
+  size_t off_a = 0, off_b = 0, off_d = 0, off_p = 0, total = 0;
+  typename Gemm::Arguments args{};     // the GEMM's arguments, all but the operand pointers
+};
+
+constexpr size_t kWorkspaceAlign = 256;
+
+inline size_t align_bytes(size_t v) {
+  return (v + kWorkspaceAlign - 1) / kWorkspaceAlign * kWorkspaceAlign;
+}
+
+// Copies a rows x cols block of 16-bit elements between leading dimensions, where one side's
+// rows may start at any 2-byte boundary. Each thread writes whole 16-byte chunks of the
+// destination row: it loads the one or two aligned 16-byte chunks of the source that hold
+// those 8 elements and shifts them into place (the shift is the same for a whole row, so it
+// is a template argument picked per row). An aligned 16-byte chunk that holds a valid
+// element never crosses a page, so reading its other bytes is safe; they are discarded.
+// The unaligned head and tail of a destination row are copied element by element.
+constexpr int kCopyThreads = 128;
+constexpr int kChunk = 8;  // elements per 16-byte chunk
+
+// Elements O .. O+7 of the 16 held in lo:hi (little-endian 16-bit lanes of 32-bit words).
+template <int O>
+__device__ __forceinline__ uint4 shifted(uint4 const& lo, uint4 const& hi) {
+  uint32_t const w[8] = {lo.x, lo.y, lo.z, lo.w, hi.x, hi.y, hi.z, hi.w};
+  constexpr int q = O / 2;
+  if constexpr (O % 2 == 0) {
+    return make_uint4(w[q], w[q + 1], w[q + 2], w[q + 3]);
+  } else {
+    return make_uint4(__funnelshift_r(w[q], w[q + 1], 16), __funnelshift_r(w[q + 1], w[q + 2], 16),
+                      __funnelshift_r(w[q + 2], w[q + 3], 16), __funnelshift_r(w[q + 3], w[q + 4], 16));
+  }
+}
+
+// The aligned body of one row: destination chunks t = first, first + step, ... < chunks, each
+// from source elements (src_at .. src_at + 7) where src_at = O (mod 8) is the chunk's start.
+template <int O>
+__device__ __forceinline__ void copy_chunks(uint16_t const* s, uint4* d, int64_t chunks, int64_t first, int64_t step) {
+  uint4 const* base = reinterpret_cast<uint4 const*>(s - O);  // 16-byte aligned
+  for (int64_t t = first; t < chunks; t += step) {
+    uint4 const lo = __ldg(base + t);
+    if constexpr (O == 0) {
+      d[t] = lo;
+    } else {
+      d[t] = shifted<O>(lo, __ldg(base + t + 1));
+    }
+  }
+}
+
+__global__ void __launch_bounds__(kCopyThreads)
+copy_rows(uint16_t const* __restrict__ src, int64_t src_ld, uint16_t* __restrict__ dst, int64_t dst_ld,
+          int rows, int cols) {
+  for (int64_t r = blockIdx.y; r < rows; r += gridDim.y) {
+    uint16_t const* s = src + r * src_ld;
+    uint16_t* d = dst + r * dst_ld;
+    // Elements before the destination row reaches a 16-byte boundary, then whole chunks.
+    int64_t const head_full = ((16 - (reinterpret_cast<uintptr_t>(d) & 15)) & 15) / 2;
+    int64_t const head = head_full < cols ? head_full : cols;
+    int64_t const chunks = (cols - head) / kChunk;
+    int64_t const body_end = head + chunks * kChunk;
+    if (blockIdx.x == 0) {
+      for (int64_t c = threadIdx.x; c < head; c += kCopyThreads) d[c] = s[c];
+      for (int64_t c = body_end + threadIdx.x; c < cols; c += kCopyThreads) d[c] = s[c];
+    }
+    uint16_t const* sb = s + head;
+    uint4* db = reinterpret_cast<uint4*>(d + head);
+    int64_t const first = int64_t(blockIdx.x) * kCopyThreads + threadIdx.x;
+    int64_t const step = int64_t(gridDim.x) * kCopyThreads;
+    switch ((reinterpret_cast<uintptr_t>(sb) & 15) / 2) {
+      case 0: copy_chunks<0>(sb, db, chunks, first, step); break;
+      case 1: copy_chunks<1>(sb, db, chunks, first, step); break;
+      case 2: copy_chunks<2>(sb, db, chunks, first, step); break;
+      case 3: copy_chunks<3>(sb, db, chunks, first, step); break;
+      case 4: copy_chunks<4>(sb, db, chunks, first, step); break;
+      case 5: copy_chunks<5>(sb, db, chunks, first, step); break;
+      case 6: copy_chunks<6>(sb, db, chunks, first, step); break;
+      default: copy_chunks<7>(sb, db, chunks, first, step); break;
+    }
+  }
+}
+
+inline cudaError_t launch_copy(void const* src, int64_t src_ld, void* dst, int64_t dst_ld, int rows, int cols,
+                               cudaStream_t stream) {
+  if (rows <= 0 || cols <= 0) {
+    return cudaSuccess;
+  }
+  int64_t const chunks = (int64_t(cols) + kChunk - 1) / kChunk;
+  dim3 grid(static_cast<unsigned>((chunks + kCopyThreads - 1) / kCopyThreads),
+            static_cast<unsigned>(rows < 65535 ? rows : 65535));
+  copy_rows<<<grid, kCopyThreads, 0, stream>>>(static_cast<uint16_t const*>(src), src_ld,
+                                                static_cast<uint16_t*>(dst), dst_ld, rows, cols);
+  return cudaGetLastError();
+}
+
+// Kernel arguments for one shape, without the operand pointers (cudal2_gemm sets them).
+// Everything that decides the workspace size (shape, scheduler options, hardware info) is set
+// here, so cudal2_workspace_bytes and cudal2_gemm agree. lda / ldb / ldd are the leading
+// dimensions of A, B and D in elements (see Plan).
+inline typename Gemm::Arguments make_arguments(int M, int N, int K, int64_t lda, int64_t ldb, int64_t ldd,
+                                               int device, DeviceFacts const& facts) {
+  typename Gemm::Arguments args{};
+  args.mode = cutlass::gemm::GemmUniversalMode::kGemm;
+  args.problem_shape = ProblemShape{M, N, K, 1};
+
+  // A packed stride over a shape whose contiguous extent is the leading dimension gives
+  // that leading dimension.
+  args.mainloop.dA = cutlass::make_cute_packed_stride(StrideA{}, cute::make_shape(M, int(lda), 1));
+  args.mainloop.dB = cutlass::make_cute_packed_stride(StrideB{}, cute::make_shape(int(ldb), K, 1));
+
+  args.epilogue.thread.alpha = ElementCompute(1);
+  args.epilogue.thread.beta = ElementCompute(0);
+  args.epilogue.ptr_C = nullptr;
+  args.epilogue.dC = cutlass::make_cute_packed_stride(StrideC{}, cute::make_shape(M, int(ldd), 1));
+  args.epilogue.dD = cutlass::make_cute_packed_stride(StrideD{}, cute::make_shape(M, int(ldd), 1));
+
+  args.hw_info.device_id = device;
+  args.hw_info.sm_count = facts.sm_count;
+  args.hw_info.max_active_clusters = facts.max_active_clusters;
+
+  args.scheduler.max_swizzle_size = 1;
+  args.scheduler.raster_order = RasterOrderOptions::Heuristic;
+  return args;
+}
+
+inline bool shape_ok(int M, int N, int K) {
+  return M > 0 && N > 0 && K > 0;
+}
+
+inline bool aligned16(void const* p) {
+  return (reinterpret_cast<std::uintptr_t>(p) & 15u) == 0;
+}
+
+// The GEMM's leading dimensions and the workspace layout for one shape: [kernel workspace]
+// [A copy] [B copy] [D copy], each present only when that operand's rows are unaligned.
+inline Plan make_plan(int M, int N, int K, int device, DeviceFacts const& facts) {
+  Plan plan;
+  plan.copy_a = natural_lda(M, N, K) % kRowAlign != 0;
+  plan.copy_b = natural_ldb(M, N, K) % kRowAlign != 0;
+  plan.copy_d = natural_ldd(M, N, K) % kRowAlign != 0;
+  plan.lda = round_up(natural_lda(M, N, K), kRowAlign);
+  plan.ldb = round_up(natural_ldb(M, N, K), kRowAlign);
+  plan.ldd = round_up(natural_ldd(M, N, K), kRowAlign);
+  plan.args = make_arguments(M, N, K, plan.lda, plan.ldb, plan.ldd, device, facts);
+  plan.gemm_bytes = Gemm::get_workspace_size(plan.args);
+  size_t const elem = sizeof(Element);
+  size_t at = align_bytes(plan.gemm_bytes);
+  if (plan.copy_a) { plan.off_a = at; at += align_bytes(size_t(M) * plan.lda * elem); }
+  if (plan.copy_b) { plan.off_b = at; at += align_bytes(size_t(rows_b(M, N, K)) * plan.ldb * elem); }
+  if (plan.copy_d) { plan.off_d = at; at += align_bytes(size_t(M) * plan.ldd * elem); }
+  plan.total = (plan.copy_a || plan.copy_b || plan.copy_d) ? at : plan.gemm_bytes;
+  return plan;
+}
+
+}  // namespace cudal2_sm90
+
+// ---- ABI -------------------------------------------------------------------------------------
+
+extern "C" size_t cudal2_workspace_bytes(int M, int N, int K) {
+  using namespace cudal2_sm90;
+  if (!shape_ok(M, N, K)) {
+    return 0;
+  }
+  int device = 0;
+  DeviceFacts facts;
+  if (!current_device_facts(device, facts)) {
+    return 0;
+  }
+  return make_plan(M, N, K, device, facts).total;
+}
 
 extern "C" int cudal2_gemm(const void* A, const void* B, void* C, int M, int N, int K,
                            void* workspace, size_t workspace_bytes, cudaStream_t stream) {
-  (void)workspace;
-  (void)workspace_bytes;
-  if (M <= 0 || N <= 0 || K <= 0) return 1;
-  const bool aligned16 = ((reinterpret_cast<uintptr_t>(A) | reinterpret_cast<uintptr_t>(B)) & 15) == 0;
-  const bool rows16 = K % 8 == 0 && (kTransB || N % 8 == 0);
-  const Element* a = static_cast<const Element*>(A);
-  const Element* b = static_cast<const Element*>(B);
-  Element* c = static_cast<Element*>(C);
-  return (aligned16 && rows16) ? launch<true>(a, b, c, M, N, K, stream)
-                               : launch<false>(a, b, c, M, N, K, stream);
+  using namespace cudal2_sm90;
+  if (!shape_ok(M, N, K)) {
+    return 1;
+  }
+  // TMA descriptors need 16-byte aligned base addresses (CUTLASS asserts rather than failing).
+  if (A == nullptr || B == nullptr || C == nullptr || !aligned16(A) || !aligned16(B) || !aligned16(C)) {
+    return 2;
+  }
+  int device = 0;
+  DeviceFacts facts;
+  if (!current_device_facts(device, facts)) {
+    return 3;
+  }
+  Plan const plan = make_plan(M, N, K, device, facts);
+  if (plan.total > 0 && (workspace == nullptr || workspace_bytes < plan.total || !aligned16(workspace))) {
+    return 5;
+  }
+  char* ws = static_cast<char*>(workspace);
+  void const* a = plan.copy_a ? static_cast<void const*>(ws + plan.off_a) : A;
+  void const* b = plan.copy_b ? static_cast<void const*>(ws + plan.off_b) : B;
+  void* d = plan.copy_d ? static_cast<void*>(ws + plan.off_d) : C;
+  auto args = plan.args;
+  args.mainloop.ptr_A = static_cast<ElementA const*>(a);
+  args.mainloop.ptr_B = static_cast<ElementB const*>(b);
+  args.epilogue.ptr_D = static_cast<ElementD*>(d);
+  // CUTLASS checks row alignment on the problem shape, not the strides: ask it about the
+  // shape with padded rows, which is what the TMA descriptors see (the other checks, on
+  // the cluster and scheduler, do not depend on it).
+  auto padded = args;
+  padded.problem_shape = ProblemShape{M, int(round_up(N, kRowAlign)), int(round_up(get<2>(args.problem_shape), kRowAlign)),
+                                      get<3>(args.problem_shape)};
+  if (Gemm::can_implement(padded) != cutlass::Status::kSuccess) {
+    return 4;
+  }
+  if (plan.copy_a && launch_copy(A, natural_lda(M, N, K), ws + plan.off_a, plan.lda, M, K, stream) != cudaSuccess) {
+    return 8;
+  }
+  if (plan.copy_b &&
+      launch_copy(B, natural_ldb(M, N, K), ws + plan.off_b, plan.ldb, int(rows_b(M, N, K)),
+                  int(natural_ldb(M, N, K)), stream) != cudaSuccess) {
+    return 8;
+  }
+  void* gemm_ws = plan.gemm_bytes > 0 ? workspace : nullptr;
+  // Stream-K: zeroes its tile counters / partial-sum flags with cudaMemsetAsync on `stream`.
+  if (GemmKernel::initialize_workspace(args, gemm_ws, stream, nullptr) != cutlass::Status::kSuccess) {
+    return 6;
+  }
+  typename GemmKernel::Params params = GemmKernel::to_underlying_arguments(args, gemm_ws);
+  // Programmatic dependent launch: the GEMM's set-up overlaps the tail of the kernel before it
+  // on the stream; its producer waits (griddepcontrol.wait) before the first load, and every
+  // write follows from those loads.
+  if (Gemm::run(params, stream, nullptr, /*launch_with_pdl=*/true) != cutlass::Status::kSuccess) {
+    return 7;
+  }
+  if (plan.copy_d && launch_copy(ws + plan.off_d, plan.ldd, C, natural_ldd(M, N, K), M, N, stream) != cudaSuccess) {
+    return 8;
+  }
+  return 0;
 }

@@ -1,9 +1,9 @@
 // cudal2 best kernel for C[64,8192] = A[64,8192] @ B (fp16, layout nn, fp32 accumulation)
-// speedup 0.956x over cuBLAS (36.11 us -> 37.76 us, offline device time) on NVIDIA H200 (sm_90a)
-// measured 2026-11-30 08:23:54.179205+00:00; template sm80_mma {"block_k": 64, "block_m": 64, "block_n": 128, "epilogue": "smem", "group_m": 8, "min_blocks": 1, "split_k": 2, "stages": 4, "warps_m": 2, "warps_n": 4}
+// speedup 0.980x over cuBLAS (35.85 us -> 36.58 us, offline device time) on NVIDIA H200 (sm_90a)
+// measured 2026-11-30 14:43:32.952072+00:00; template sm80_mma {"block_k": 64, "block_m": 64, "block_n": 128, "epilogue": "smem", "group_m": 8, "min_blocks": 1, "split_k": 2, "stages": 5, "warps_m": 2, "warps_n": 4}
 // build: nvcc -O3 -std=c++17 -shared -Xcompiler -fPIC -gencode=arch=compute_90a,code=sm_90a -I<cutlass>/include -I<cutlass>/tools/util/include kernel.cu -o kernel.so
 // cudal2 template sm80_mma: Ampere-style tensor-core GEMM (runs on sm_80 and newer).
-// mma.sync.m16n8k16 with fp32 accumulation, ldmatrix fragment loads, a 4-stage
+// mma.sync.m16n8k16 with fp32 accumulation, ldmatrix fragment loads, a 5-stage
 // cp.async shared-memory pipeline and XOR-swizzled shared memory. Edges are handled
 // inside the kernel: out-of-range rows and columns are zero-filled on load and masked on
 // store, and rows that are not 16-byte aligned (K or N not a multiple of 8) take a
@@ -11,9 +11,13 @@
 // a thread-block cluster of split_k CTAs shares one output tile: each multiplies a slice of
 // K, and the partial tiles are summed through distributed shared memory in a fixed order,
 // so small or skinny problems fill the GPU without a workspace or a second launch.
+// Built for sm_90 or newer, it is launched with programmatic dependent launch: it may start
+// while the kernel before it on the stream finishes, and waits (griddepcontrol.wait) for that
+// kernel's writes before its first memory access; it lets the next kernel launch
+// (griddepcontrol.launch_dependents) once its main loop is done.
 //
 // dtype=fp16 layout=nn block=64x128x64
-// warps=2x4 stages=4 group_m=8 split_k=2
+// warps=2x4 stages=5 group_m=8 split_k=2
 #include <cuda_runtime.h>
 
 #include <cooperative_groups.h>
@@ -37,7 +41,7 @@ __device__ __forceinline__ Element to_element(float x) { return __float2half_rn(
 constexpr bool kTransB = false;  // B given as W[N,K]
 constexpr int BM = 64, BN = 128, BK = 64;
 constexpr int WARPS_M = 2, WARPS_N = 4;
-constexpr int STAGES = 4, GROUP_M = 8, SPLIT_K = 2;
+constexpr int STAGES = 5, GROUP_M = 8, SPLIT_K = 2;
 constexpr int THREADS = WARPS_M * WARPS_N * 32;
 constexpr int WTM = BM / WARPS_M, WTN = BN / WARPS_N;  // warp tile
 constexpr int MT = WTM / 16, NT = WTN / 8;              // mma tiles per warp
@@ -183,6 +187,9 @@ template <bool kAligned>
 __global__ void __cluster_dims__(1, 1, SPLIT_K) __launch_bounds__(THREADS, 1)
 gemm_kernel(const Element* __restrict__ A, const Element* __restrict__ B,
             Element* __restrict__ C, int M, int N, int K) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
   extern __shared__ __align__(128) unsigned char smem_raw[];
   Element* sA = reinterpret_cast<Element*>(smem_raw);
   Element* sB = sA + STAGES * A_STAGE;
@@ -320,6 +327,9 @@ gemm_kernel(const Element* __restrict__ A, const Element* __restrict__ B,
     }
   }
   cp_async_wait<0>();
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.launch_dependents;");
+#endif
 
   const int g = lane >> 2, t = lane & 3;
 
@@ -365,6 +375,17 @@ gemm_kernel(const Element* __restrict__ A, const Element* __restrict__ B,
 
 }
 
+// Whether gemm_kernel was built for sm_90 or newer, and so waits for the kernel before it
+// (griddepcontrol.wait): only then may it be launched with programmatic dependent launch.
+template <bool kAligned>
+bool waits_for_predecessor() {
+  static const bool built_for_90 = [] {
+    cudaFuncAttributes attr{};
+    return cudaFuncGetAttributes(&attr, gemm_kernel<kAligned>) == cudaSuccess && attr.binaryVersion >= 90;
+  }();
+  return built_for_90;
+}
+
 template <bool kAligned>
 int launch(const Element* A, const Element* B, Element* C, int M, int N, int K,
            cudaStream_t stream) {
@@ -376,8 +397,17 @@ int launch(const Element* A, const Element* B, Element* C, int M, int N, int K,
   }
   const long long tiles = (long long)((M + BM - 1) / BM) * ((N + BN - 1) / BN);
   if (tiles > 0x7fffffffLL) return 3;
-  gemm_kernel<kAligned><<<dim3((unsigned)tiles, 1, SPLIT_K), THREADS, smem, stream>>>(A, B, C, M, N, K);
-  return cudaGetLastError() == cudaSuccess ? 0 : 4;
+  cudaLaunchConfig_t cfg = {};
+  cfg.gridDim = dim3((unsigned)tiles, 1, SPLIT_K);
+  cfg.blockDim = dim3(THREADS, 1, 1);
+  cfg.dynamicSmemBytes = smem;
+  cfg.stream = stream;
+  cudaLaunchAttribute attr[1];
+  attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attr[0].val.programmaticStreamSerializationAllowed = 1;
+  cfg.attrs = attr;
+  cfg.numAttrs = waits_for_predecessor<kAligned>() ? 1 : 0;
+  return cudaLaunchKernelEx(&cfg, gemm_kernel<kAligned>, A, B, C, M, N, K) == cudaSuccess ? 0 : 4;
 }
 
 }  // namespace
