@@ -106,8 +106,9 @@ class SearchProposer:
     (split_k where the tiles already fill the GPU, say) is still moved. The rest of the
     batch follows the global ranking, one configuration per predicted time first. A
     configuration whose build is not in the compile cache (`cached` says) counts
-    UNCACHED_PENALTY slower: a CUTLASS compile costs a minute, a cached one nothing. Ties go to the configuration nearest the defaults, then to a seeded
-    shuffle: deterministic per --seed.
+    UNCACHED_PENALTY slower: a CUTLASS compile costs a minute, a cached one nothing. Ties
+    go to the configuration nearest the defaults, then to a seeded shuffle: deterministic
+    per --seed.
     """
 
     name = "search"

@@ -70,15 +70,10 @@ def _evaluate(expr: str, names: dict[str, Any]) -> Any:
     return eval(_compiled(expr), _GLOBALS, names)  # trusted: shipped files
 
 
-@functools.cache
-def _assignments(table: tuple[tuple[str, str], ...]):
+def _assignments(table: dict[str, str]):
     """A table of `name = expression` (derived values, cost keys) as one code object: each
     may read the names above it; one call instead of one per expression."""
-    return compile("\n".join(f"{name} = ({expr})" for name, expr in table), "<space.toml>", "exec")
-
-
-def _assign(table: dict[str, str], names: dict[str, Any]) -> None:
-    exec(_assignments(tuple(table.items())), _GLOBALS, names)  # trusted: shipped files
+    return compile("\n".join(f"{name} = ({expr})" for name, expr in table.items()), "<space.toml>", "exec")
 
 
 @dataclass(frozen=True)
@@ -123,6 +118,8 @@ class Space:
     # Valid configurations per compute capability, as value tuples in parameter order: the
     # enumeration is the larger part of ranking a space (seconds), and the same for every problem.
     _valid: dict[int, tuple[tuple[Any, ...], ...]] = field(default_factory=dict, compare=False, repr=False)
+    # The `derived` and `cost` tables compiled (see _assignments), by table name.
+    _code: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
 
     @classmethod
     def load(cls, path: Path) -> Space:
@@ -168,7 +165,7 @@ class Space:
     def facts(self, params: dict[str, Any], cc: int) -> dict[str, Any]:
         """Parameters plus derived values and target facts, as constraints see them."""
         names: dict[str, Any] = {**params, **target_facts(cc)}
-        _assign(self.derived, names)
+        self._assign("derived", names)
         return names
 
     def cost_inputs(self, params: dict[str, Any], cc: int, problem: Problem, sm_count: int) -> dict[str, Any]:
@@ -187,7 +184,7 @@ class Space:
         A key may read the keys above it in the table."""
         names = {**self.facts(params, cc), "m": problem.m, "n": problem.n, "k": problem.k,
                  "layout": problem.layout, "sm_count": sm_count}
-        _assign(self.cost, names)  # in file order: a key may read the ones above it
+        self._assign("cost", names)  # in file order: a key may read the ones above it
         inputs: dict[str, Any] = {name: names[name] for name in self.cost}
         for name, default in (("requires", True), ("split_k", 1), ("extra_bytes", 0), ("extra_launches", 0),
                               ("extra_us", 0.0), ("ordered_reduction", False), ("slices_wait", True),
@@ -222,6 +219,12 @@ class Space:
             shown = ", ".join(f"{k}={v}" for k, v in params.items())
             raise Cudal2Error(f"invalid {template} configuration ({shown}): fails {'; '.join(broken)}")
         return params
+
+    def _assign(self, table: str, names: dict[str, Any]) -> None:
+        """Runs the table `derived` or `cost` on `names`, adding each of its keys."""
+        if table not in self._code:
+            self._code[table] = _assignments(getattr(self, table))
+        exec(self._code[table], _GLOBALS, names)  # trusted: shipped files
 
     def configurations(self, cc: int) -> Iterator[dict[str, Any]]:
         """Every valid parameter set, in the order of the values lists (that of
