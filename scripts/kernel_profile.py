@@ -10,7 +10,12 @@ next one's start within a call (negative: programmatic dependent launch let it s
 early), the span of a call (first start to last end, the fence excluded) and the gaps to
 the fences around it. CUPTI adds its own cost to launches, so gaps read here are upper bounds.
 
-    python scripts/kernel_profile.py SPEC_FILE [CALLS] [--clocks SECONDS]
+    python scripts/kernel_profile.py SPEC_FILE [CALLS] [--clocks SECONDS | --plain]
+
+With --plain, no profiler and no torch.matmul: cuBLAS and the line's kernel each run CALLS
+fenced calls, for an outside profiler to attach to, e.g. Nsight Compute:
+    ncu --clock-control none --set full -k regex:'nvjet|device_kernel' -o prof \
+        python scripts/kernel_profile.py SPEC_FILE 2 --plain
 
 One JSON line per (problem, contestant) on stdout. With --clocks, no profiler: each
 contestant runs fenced calls back to back for SECONDS while nvidia-smi samples the SM clock,
@@ -133,7 +138,16 @@ def clocks(run, stream, seconds: float) -> dict:
             "limit_reasons": sorted({s[2] for s in samples})}
 
 
-def main(spec_path: str, calls: int, clock_seconds: float) -> None:
+def plain(run, stream, calls: int) -> dict:
+    """`calls` fenced calls of `run` with nothing watching but an outside profiler."""
+    for _ in range(calls):
+        run()
+        FENCE((1,), (1,), (), stream=stream)
+    stream.synchronize()
+    return {"calls": calls}
+
+
+def main(spec_path: str, calls: int, clock_seconds: float, plain_calls: bool = False) -> None:
     cc = int(cupy.cuda.Device().compute_capability)
     compiler = Compiler(default_arch(cc), load_settings().cache_dir)
     specs = [line.split() for line in open(spec_path) if line.strip() and not line.startswith("#")]
@@ -150,13 +164,16 @@ def main(spec_path: str, calls: int, clock_seconds: float) -> None:
                 workspace = kernel.workspace_bytes(problem.m, problem.n, problem.k)
             ops = Operands(problem, workspace, Numerics(problem.dtype))
             ops.fill("normal", random.Random(1))
-            contestants = {"cuBLAS": cublas_gemm(problem, stream), "torch.matmul": torch_gemm(problem, stream)}
+            contestants = {"cuBLAS": cublas_gemm(problem, stream)}
+            if not plain_calls:
+                contestants["torch.matmul"] = torch_gemm(problem, stream)
             launches = {name: (lambda gemm=gemm: gemm(ops.a, ops.b, ops.c)) for name, gemm in contestants.items()
                         if gemm is not None}
             if kernel is not None:
                 launches[" ".join(spec[5:])] = lambda: ops.call(kernel, stream)
             for name, run in launches.items():
-                measured = clocks(run, stream, clock_seconds) if clock_seconds else \
+                measured = plain(run, stream, calls) if plain_calls else \
+                    clocks(run, stream, clock_seconds) if clock_seconds else \
                     summarize(kernel_intervals(run, stream, calls))
                 print(json.dumps({"problem": str(problem), "contestant": name, **measured}), flush=True)
 
@@ -166,5 +183,6 @@ if __name__ == "__main__":
     parser.add_argument("spec")
     parser.add_argument("calls", type=int, nargs="?", default=50)
     parser.add_argument("--clocks", type=float, default=0.0, metavar="SECONDS")
+    parser.add_argument("--plain", action="store_true", help="no profiler: calls only (for ncu)")
     args = parser.parse_args()
-    main(args.spec, args.calls, args.clocks)
+    main(args.spec, args.calls, args.clocks, args.plain)
