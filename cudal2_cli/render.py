@@ -180,7 +180,8 @@ class Space:
         and exposed_epilogue_bytes (default 0: bytes of a tile's output that its SM stores
         while no other tile's mainloop runs) and stream_k_tiles (default 0: tiles whose K
         iterations are spread evenly over all SMs, stream-K) and walked_tiles (default 0: the
-        output tiles; more where a scheduler pads their count and runs the padding tiles too).
+        output tiles; more where a scheduler pads their count and runs the padding tiles too)
+        and tiles (default: M and N each cut by tile_m and tile_n).
         A key may read the keys above it in the table."""
         names = {**self.facts(params, cc), "m": problem.m, "n": problem.n, "k": problem.k,
                  "layout": problem.layout, "sm_count": sm_count}

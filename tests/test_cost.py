@@ -1,3 +1,5 @@
+import math
+
 from cudal2_cli.cost import predict_us, rank
 from cudal2_cli.problem import Problem
 from cudal2_cli.render import get_template, load_templates
@@ -187,3 +189,20 @@ def test_tiles_the_scheduler_pads_to_whole_swizzle_groups_are_paid():
     for problem, padded in ((Problem(5120, 5120, 5120), True), (Problem(4096, 4096, 4096), False)):
         one, eight = (predict_us(template, {**base, "max_swizzle_size": s}, problem, H200) for s in (1, 8))
         assert (eight > 1.2 * one) if padded else eight == one
+
+
+def test_swapped_operands_tile_n_by_tile_m_and_nn_needs_them_for_widths_off_64():
+    """3072x768x3072: swapped, the GEMM is 768 x 3072, and 128x160 tiles make 6 x 20 = 120
+    (one wave), not 24 x 5. In nn, B is N-major: a 160-column tile of it has no 128-byte
+    swizzle (0.73x measured), so the ranking runs 160 columns there only swapped."""
+    template = load_templates()["sm90_cutlass"]
+    params = template.space.resolve({"kernel_schedule": "warpspecialized", "tile_n": "160", "cluster_m": "1"},
+                                    90, "sm90_cutlass")
+    swapped = {**params, "swap_ab": "yes"}
+    nn, nt = Problem(3072, 768, 3072, "fp16", "nn"), Problem(3072, 768, 3072, "fp16", "nt")
+    inputs = template.space.cost_inputs(swapped, 90, nn, 132)
+    assert (inputs["tiles_m"], inputs["tiles_n"], inputs["tiles"]) == (6, 20, 120)
+    assert template.space.cost_inputs(params, 90, nt, 132)["tiles"] == 24 * 5
+    assert predict_us(template, params, nn, H200) == math.inf
+    assert predict_us(template, params, nt, H200) < math.inf
+    assert predict_us(template, swapped, nn, H200) < math.inf

@@ -91,6 +91,12 @@ SM90_CONFIGS = [({}, v) for v in VARIANTS] + [
     ({"grid": "even", "raster_order": "along_n", "max_swizzle_size": "8"}, ("bf16", "nn")),
     ({"tile_m": "256", "tile_n": "128", "cluster_m": "1", "grid": "even", "splits": "4", "reduction": "parallel"},
      ("fp16", "nt")),
+    # Operands swapped (C^T = B^T A^T into C's memory), with the extended GMMA widths.
+    ({"kernel_schedule": "warpspecialized", "tile_n": "160", "cluster_m": "1", "swap_ab": "yes"}, ("fp16", "nn")),
+    ({"tile_n": "144", "cluster_m": "1", "cluster_n": "2", "swap_ab": "yes", "tile_scheduler": "streamk",
+      "decomposition": "streamk", "reduction": "nondeterministic"}, ("bf16", "nt")),
+    ({"tile_m": "256", "tile_n": "128", "swap_ab": "yes", "grid": "even", "raster_order": "along_m",
+      "max_swizzle_size": "8"}, ("fp16", "nt")),
 ]
 
 

@@ -161,3 +161,18 @@ def test_the_even_grid_caps_the_persistent_grid_at_run_time():
     for wrong in ({"tile_scheduler": "streamk"}, {"kernel_schedule": "warpspecialized", "tile_n": "128"}):
         with pytest.raises(Cudal2Error, match=re.escape("fails grid == 'all' or")):
             template_candidate("sm90_cutlass", {"grid": "even", **wrong}, 90)
+
+
+def test_swapped_operands_compute_c_transposed_into_cs_memory():
+    swapped = {"kernel_schedule": "warpspecialized", "tile_n": "160", "cluster_m": "1", "swap_ab": "yes"}
+    source = render(template_candidate("sm90_cutlass", swapped, 90), Problem(1, 1, 1, "fp16", "nn"))
+    assert "args.problem_shape = ProblemShape{N, M, K, 1};" in source
+    assert "using LayoutD = cutlass::layout::ColumnMajor;" in source
+    assert "args.mainloop.ptr_A = static_cast<ElementA const*>(b);" in source
+    # A 160-column GMMA needs CuTe's extended shapes; 128 and 192 columns do not.
+    assert "#define CUTE_SM90_EXTENDED_MMA_SHAPES_ENABLED" in source
+    plain = render(template_candidate("sm90_cutlass", {}, 90), Problem(1, 1, 1, "fp16", "nn"))
+    assert "ProblemShape{M, N, K, 1}" in plain and "LayoutD = cutlass::layout::RowMajor" in plain
+    assert "EXTENDED_MMA_SHAPES" not in plain and "swap_ab" not in plain
+    with pytest.raises(Cudal2Error, match=re.escape("fails swap_ab == 'no' or")):
+        template_candidate("sm90_cutlass", {**swapped, "splits": "4", "reduction": "parallel"}, 90)
