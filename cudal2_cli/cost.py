@@ -73,9 +73,7 @@ def predict_us(template: Template, params: dict[str, Any], problem: Problem, dev
     if not c["requires"]:
         return math.inf
     tm, tn, split = int(c["tile_m"]), int(c["tile_n"]), max(1, int(c["split_k"]))
-    # Output tiles: the table's own count where it has one (a template that swaps the operands
-    # tiles N by tile_m and M by tile_n).
-    tiles = int(c["tiles"]) if "tiles" in c else math.ceil(problem.m / tm) * math.ceil(problem.n / tn)
+    tiles = int(c["tiles"])
     walked = int(c["walked_tiles"]) or tiles  # padding tiles a scheduler runs cost a tile's time
     ctas, sms = walked * split, device["sm_count"]
     # CTAs sharing an SM at once: as many as fit, or fewer when the grid is small.

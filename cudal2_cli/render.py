@@ -191,6 +191,9 @@ class Space:
                               ("extra_us", 0.0), ("ordered_reduction", False), ("slices_wait", True),
                               ("exposed_epilogue_bytes", 0), ("stream_k_tiles", 0), ("walked_tiles", 0)):
             inputs.setdefault(name, default)
+        # Output tiles: M cut by tile_m and N by tile_n, unless the table counts them itself (a
+        # kernel that swaps the operands cuts N by tile_m and M by tile_n).
+        inputs.setdefault("tiles", -(-problem.m // int(inputs["tile_m"])) * -(-problem.n // int(inputs["tile_n"])))
         return inputs
 
     def violations(self, params: dict[str, Any], cc: int) -> list[str]:
