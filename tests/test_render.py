@@ -163,18 +163,6 @@ def test_the_even_grid_caps_the_persistent_grid_at_run_time():
             template_candidate("sm90_cutlass", {"grid": "even", **wrong}, 90)
 
 
-def test_the_dynamic_scheduler_claims_tiles_through_the_cooperative_kernels_hooks():
-    dynamic = render(template_candidate("sm90_cutlass", {"tile_scheduler": "dynamic"}, 90), Problem(1, 1, 1, "fp16", "nn"))
-    assert "using TileSchedulerTag = DynamicClusterScheduler;" in dynamic
-    assert "static constexpr bool IsDynamicPersistent = true;" in dynamic and "atomicAdd(counter_" in dynamic
-    assert "/*launch_with_pdl=*/true" in dynamic  # no memset before the launch
-    plain = render(template_candidate("sm90_cutlass", {}, 90), Problem(1, 1, 1, "fp16", "nn"))
-    assert "DynamicClusterScheduler" not in plain and "using TileSchedulerTag = cutlass::gemm::PersistentScheduler;" in plain
-    # The hooks are the cooperative kernel's.
-    with pytest.raises(Cudal2Error, match=re.escape("tile_scheduler != 'dynamic' or")):
-        template_candidate("sm90_cutlass", {"tile_scheduler": "dynamic", "kernel_schedule": "pingpong", "tile_n": "128"}, 90)
-
-
 def test_swapped_operands_compute_c_transposed_into_cs_memory():
     swapped = {"kernel_schedule": "warpspecialized", "tile_n": "160", "cluster_m": "1", "swap_ab": "yes"}
     source = render(template_candidate("sm90_cutlass", swapped, 90), Problem(1, 1, 1, "fp16", "nn"))
