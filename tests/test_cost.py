@@ -22,12 +22,14 @@ def test_no_cluster_costs_only_where_tiles_are_walked_without_a_swizzle():
     walked without a swizzle, and level with it (or ahead) walked with a swizzle of 8, where
     the L2 request coalescer merges the loads of CTAs side by side."""
     template = get_template("sm90_cutlass")
+
+    def us(problem, cluster_m, swizzle):
+        params = sm90(cluster_m=cluster_m, max_swizzle_size=swizzle, raster_order="along_n", grid="even")
+        return predict_us(template, params, problem, H200)
+
     for problem in (Problem(4096, 4096, 4096), Problem(8192, 8192, 8192)):
-        def us(cluster_m, swizzle):
-            return predict_us(template, sm90(cluster_m=cluster_m, max_swizzle_size=swizzle, raster_order="along_n",
-                                             grid="even"), problem, H200)
-        assert us(1, 8) == us(2, 8)
-        assert us(1, 1) > 1.01 * us(2, 1)
+        assert us(problem, 1, 8) == us(problem, 2, 8)
+        assert us(problem, 1, 1) > 1.01 * us(problem, 2, 1)
 
 
 def test_stream_k_wins_when_few_tiles_leave_sms_idle():
