@@ -97,6 +97,14 @@ SM90_CONFIGS = [({}, v) for v in VARIANTS] + [
       "decomposition": "streamk", "reduction": "nondeterministic"}, ("bf16", "nt")),
     ({"tile_m": "256", "tile_n": "128", "swap_ab": "yes", "grid": "even", "raster_order": "along_m",
       "max_swizzle_size": "8"}, ("fp16", "nt")),
+    # Each tile stored from registers during the next tile's first k-block (16-byte stores after
+    # a quad transpose): 2x1 and 1x2 clusters, 128x256, 256x128 (two M repeats of the GMMA per
+    # warpgroup) and 128x192 tiles, the even grid.
+    ({"epilogue_schedule": "overlap", "grid": "even", "raster_order": "along_n", "max_swizzle_size": "8"},
+     ("fp16", "nn")),
+    ({"epilogue_schedule": "overlap", "tile_m": "256", "tile_n": "128", "cluster_m": "1", "cluster_n": "2"},
+     ("bf16", "nt")),
+    ({"epilogue_schedule": "overlap", "tile_n": "192", "cluster_m": "1"}, ("bf16", "nn")),
 ]
 
 
@@ -142,14 +150,16 @@ def test_sm90_cutlass_is_correct_on_odd_and_unaligned_shapes(sm90_builds, index)
     assert not failures, "\n".join(failures)
 
 
-# Kernels launched with programmatic dependent launch: the sm90 default and parallel split-K
-# (SM90_CONFIGS), and sm80_mma (built for sm_90 it is launched so too).
+# Kernels launched with programmatic dependent launch: the sm90 default, parallel split-K and
+# the overlapped epilogue (SM90_CONFIGS), and sm80_mma (built for sm_90 it is launched so too).
 PARALLEL_SPLIT_K = next(params for params, _ in SM90_CONFIGS if params.get("reduction") == "parallel"
                         and params.get("kernel_schedule") != "warpspecialized")
-CHAINED = [("sm90_cutlass", {}), ("sm90_cutlass", PARALLEL_SPLIT_K), ("sm80_mma", {})]
+OVERLAP = next(params for params, v in SM90_CONFIGS if params.get("epilogue_schedule") == "overlap"
+               and v == ("fp16", "nn"))
+CHAINED = [("sm90_cutlass", {}), ("sm90_cutlass", PARALLEL_SPLIT_K), ("sm90_cutlass", OVERLAP), ("sm80_mma", {})]
 
 
-@pytest.mark.parametrize("template, params", CHAINED, ids=["sm90", "sm90-parallel", "sm80"])
+@pytest.mark.parametrize("template, params", CHAINED, ids=["sm90", "sm90-parallel", "sm90-overlap", "sm80"])
 def test_a_kernel_launched_early_reads_all_of_its_predecessors_output(compiler, template, params):
     """Two calls back to back on one stream, the second multiplying the first's output: the
     second is launched while the first may still run (PDL), and must wait for all of C1."""

@@ -163,6 +163,24 @@ def test_the_even_grid_caps_the_persistent_grid_at_run_time():
             template_candidate("sm90_cutlass", {"grid": "even", **wrong}, 90)
 
 
+def test_the_overlapped_epilogue_is_its_own_cooperative_kernel():
+    overlap = render(template_candidate("sm90_cutlass", {"epilogue_schedule": "overlap"}, 90),
+                     Problem(1, 1, 1, "bf16", "nn"))
+    assert "struct OverlapCooperative : Base" in overlap
+    assert "using GemmKernel = OverlapCooperative<cutlass::gemm::kernel::GemmUniversal<" in overlap
+    assert "cvt.rn.bf16x2.f32" in overlap and "st.global.v4.b32" in overlap
+    assert "cutlass::epilogue::NoSmemWarpSpecialized" in overlap  # D's pointer and stride only
+    plain = render(template_candidate("sm90_cutlass", {}, 90), Problem(1, 1, 1, "fp16", "nn"))
+    assert "OverlapCooperative" not in plain
+    # Its own kernel: cooperative, static persistent, C (not C^T), whole 32-column groups.
+    for wrong in ({"kernel_schedule": "pingpong", "tile_m": "64", "tile_n": "128"},
+                  {"tile_scheduler": "streamk"}, {"swap_ab": "yes"}, {"tile_n": "144", "cluster_m": "1"},
+                  {"splits": "4", "reduction": "parallel"},
+                  {"tile_m": "256", "tile_n": "192", "cluster_m": "1"}):  # registers: it would spill
+        with pytest.raises(Cudal2Error, match=re.escape("epilogue_schedule != 'overlap' or")):
+            template_candidate("sm90_cutlass", {"epilogue_schedule": "overlap", **wrong}, 90)
+
+
 def test_swapped_operands_compute_c_transposed_into_cs_memory():
     swapped = {"kernel_schedule": "warpspecialized", "tile_n": "160", "cluster_m": "1", "swap_ab": "yes"}
     source = render(template_candidate("sm90_cutlass", swapped, 90), Problem(1, 1, 1, "fp16", "nn"))
