@@ -18,7 +18,7 @@ from rich.table import Table
 
 from . import render as render_stage
 from .candidate import Candidate
-from .bench import EARLIER_PROTOCOL, PROTOCOL
+from .bench import PROTOCOL, PROTOCOLS, STUDY_PROTOCOLS
 from .compile import Compiler, find_nvcc
 from .config import load_settings
 from .environment import default_arch
@@ -119,12 +119,17 @@ def jsonable(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 # ------------------------------------------------------------------------------ bench
 
-def known_candidates(problem: Problem, leaderboard: Leaderboard, rows: pd.DataFrame, cc: int) -> list[Candidate]:
-    """The leaderboard's verified kernels for this problem plus every applicable template's
-    default configuration: what `bench` measures when no kernel is named."""
+def known_candidates(problem: Problem, leaderboard: Leaderboard, rows: pd.DataFrame, cc: int,
+                     top: int | None = None) -> list[Candidate]:
+    """What `bench` measures when no kernel is named: the leaderboard's verified kernels for
+    this problem (of every bench protocol) plus every applicable template's default
+    configuration; with `top`, only the `top` fastest of each protocol, and no defaults."""
     known = select(rows, m=problem.m, n=problem.n, k=problem.k, dtype=problem.dtype,
                    layout=problem.layout, status="ok")
-    known = known[~known["kernel"].isin(BASELINES)].drop_duplicates("source_hash")
+    known = known[~known["kernel"].isin(BASELINES)]
+    if top is not None:
+        known = best(known, top)
+    known = known.drop_duplicates("source_hash")
     found = []
     for row in known.to_dict("records"):
         # A template row re-renders with today's template (parameters added since take their
@@ -133,7 +138,7 @@ def known_candidates(problem: Problem, leaderboard: Leaderboard, rows: pd.DataFr
             found.append(Candidate.from_template(row["template"], params))
         else:
             found.append(Candidate.from_source(leaderboard.source(row["source_hash"]), label=row["kernel"]))
-    for name, tmpl in render_stage.load_templates().items():
+    for name, tmpl in render_stage.load_templates().items() if top is None else ():
         if tmpl.supports(problem, cc):
             found.append(render_stage.template_candidate(name, {}, cc))
     return list(dict.fromkeys(found))
@@ -154,21 +159,34 @@ def bench(
     kernel: Kernels = None,
     template: TemplateOpt = None,
     param: Params = None,
-    budget: Annotated[Optional[float], typer.Option(help="seconds of timing per mode and kernel")] = None,
+    budget: Annotated[Optional[float], typer.Option(help="seconds of timing per method and kernel")] = None,
     qps: Annotated[Optional[float], typer.Option(help="server mode: mean calls per second")] = None,
+    bench_protocol: Annotated[str, typer.Option("--bench", help=(
+        f"how to time: {PROTOCOL} (CUPTI device time and in-graph time against cuBLAS, cuBLASLt autotuned "
+        f"and torch.matmul) | {' | '.join(STUDY_PROTOCOLS)} (earlier protocols, for study: against cuBLAS, "
+        "never ranked with the protocol's rows)"))] = PROTOCOL,
+    top: Annotated[Optional[int], typer.Option(
+        help="without --kernel/--template: only the leaderboard's N fastest kernels of this problem per "
+             "bench protocol (to re-measure them), no template defaults")] = None,
     results: Results = None,
     arch: Arch = None,
     json_out: Json = False,
 ) -> None:
-    """Measure kernels against cuBLAS (and torch.matmul) on one problem, on this GPU.
+    """Measure kernels against the best library call on one problem, on this GPU.
 
-    Without --kernel or --template: the leaderboard's kernels for this problem and every
-    template's default configuration. Every kernel is verified first (untrusted code: see
-    the README), then timed interleaved with cuBLAS in the same process; the speedup is the
-    ratio from that run. Measured rows are added to the leaderboard.
+    Without --kernel or --template: the leaderboard's kernels for this problem (of any bench
+    protocol: this re-measures them) and every template's default configuration. Every
+    kernel is verified first (untrusted code: see the README), then timed with cuBLAS,
+    cuBLASLt autotuned and torch.matmul in the same process, by CUPTI device time and in a
+    CUDA graph, on rotating inputs; the speedup is the lower of the two ratios against the
+    fastest baseline of that run. Measured rows are added to the leaderboard.
     """
     if mode not in ("offline", "server", "both"):
         raise Cudal2Error(f"unknown mode {mode!r}; choose offline, server or both")
+    if bench_protocol not in PROTOCOLS:
+        raise Cudal2Error(f"unknown --bench {bench_protocol!r}; choose {', '.join(PROTOCOLS)}")
+    if top is not None and top < 1:
+        raise Cudal2Error(f"--top must be >= 1, got {top}")
     problem = Problem.parse(m, n, k, dtype, layout)
     settings = load_settings({"budget": budget, "qps": qps, "results": results, "arch": arch})
     grid = parse_params(param)
@@ -179,7 +197,7 @@ def bench(
     named = [read_kernel_file(p) for p in kernel or []]
     find_nvcc()
     leaderboard = Leaderboard(settings.results)
-    recorded = leaderboard.read()  # read now: an unreadable leaderboard fails before any measurement
+    recorded = leaderboard.read(bench=None)  # read now: an unreadable leaderboard fails before any measurement
     with Worker(settings.device) as worker:
         cc = render_stage.arch_cc(settings.arch) if settings.arch else worker.start()["cc"]
         compiler = Compiler(settings.arch or default_arch(cc), settings.cache_dir, settings.jobs, settings.timeout)
@@ -190,34 +208,41 @@ def bench(
             if build.status != "ok":
                 raise Cudal2Error(f"{candidate} does not compile ({build.status}): {first_error_line(build.log)}")
         env = worker.start()
-        candidates = named or known_candidates(problem, leaderboard, recorded, env["cc"])
-        ctx = Context(problem, settings, worker, compiler, leaderboard, new_run_id(), mode=mode)
+        candidates = named or known_candidates(problem, leaderboard, recorded, env["cc"], top)
+        ctx = Context(problem, settings, worker, compiler, leaderboard, new_run_id(), mode=mode,
+                      protocol=bench_protocol)
         if not json_out:
-            console.print(f"{problem} on {env['gpu']} (sm_{env['cc']}), {mode} mode, {len(candidates)} kernel(s)")
+            console.print(f"{problem} on {env['gpu']} (sm_{env['cc']}), {mode} mode, {bench_protocol}, "
+                          f"{len(candidates)} kernel(s)")
         rows = measure_baselines(ctx)
         rows += list(evaluate(ctx, candidates))
     if json_out:
         print(json.dumps({"problem": problem.__dict__, "environment": env, "rows": jsonable(rows)}, indent=1))
     else:
-        print_bench_table(rows, ["offline", "server"] if mode == "both" else [mode])
+        print_bench_table(rows, bench_protocol, mode)
 
 
-def print_bench_table(rows: list[dict[str, Any]], modes: list[str]) -> None:
+def print_bench_table(rows: list[dict[str, Any]], protocol: str, mode: str) -> None:
+    """One line per contestant: its time by each method, and its speedup against the fastest
+    baseline in each mode (offline: the lower of the kernel and graph ratios)."""
+    offline = ["offline"] if protocol in STUDY_PROTOCOLS else ["kernel", "graph"]
+    methods = {"offline": offline, "server": ["server"], "both": offline + ["server"]}[mode]
+    claims = ["offline", "server"] if mode == "both" else [mode]
     headers = ["kernel", "status"]
-    for md in modes:
+    for md in methods:
         headers += [f"{md} us", "p20/p80"]
     headers.append("TFLOP/s")
-    headers += [f"speedup ({md})" if len(modes) > 1 else "speedup vs cuBLAS" for md in modes]
+    headers += [f"speedup ({md})" for md in claims]
     lines = []
     for row in rows:
         status = row["status"]
         if status != "ok":
             status += ": " + ((row.get("error") or "").strip().splitlines() or [""])[0][:120]
         cells = [row["kernel"], status]
-        for md in modes:
+        for md in methods:
             cells += [fmt(row.get(f"{md}_us")), f"{fmt(row.get(f'{md}_p20_us'))}/{fmt(row.get(f'{md}_p80_us'))}"]
         cells.append(fmt(row.get("tflops"), 1))
-        cells += [fmt(row.get(f"speedup_{md}"), 3) for md in modes]
+        cells += [fmt(row.get(f"speedup_{md}"), 3) for md in claims]
         lines.append(cells)
     show_table(headers, lines)
 
@@ -319,10 +344,10 @@ def optimize(
         print(json.dumps(summary, indent=1, default=str))
         return
     best = outcome.best
-    print(f"baseline cuBLAS: {fmt(outcome.baseline_us)} us")
+    print(f"fastest baseline: {outcome.baseline or '-'} {fmt(outcome.baseline_us)} us")
     if best:
-        print(f"best: {best['kernel']}: {fmt(best[f'{mode}_us'])} us, {fmt(best[f'speedup_{mode}'], 3)}x cuBLAS ({mode}) "
-              f"-> {outcome.exported}")
+        print(f"best: {best['kernel']}: {fmt(best[f'{mode}_us'])} us, {fmt(best[f'speedup_{mode}'], 3)}x the fastest "
+              f"library call ({best.get('baseline') or '-'}, {mode}) -> {outcome.exported}")
     else:
         print("best: no verified kernel")
     print("candidates: " + ", ".join(f"{n} {s}" for s, n in sorted(outcome.statuses.items())) +
@@ -354,7 +379,7 @@ def progress_display(quiet: bool, total: int):
                 row = info["row"]
                 bar.advance(task)
                 bar.console.print(f"{row['status']:<13} {fmt(info['speedup'], 3):>6}  {row['kernel']}")
-                bar.update(task, description=f"best {info['best_speedup']:.3f}x cuBLAS")
+                bar.update(task, description=f"best {info['best_speedup']:.3f}x the fastest library call")
 
         yield on_event
 
@@ -362,7 +387,7 @@ def progress_display(quiet: bool, total: int):
 def plain_progress(kind: str, info: dict[str, Any]) -> None:
     """One line per event, for logs and pipes."""
     if kind == "baseline":
-        print(f"cuBLAS baseline: {fmt(info['us'])} us", flush=True)
+        print(f"fastest baseline: {info['name'] or '-'} {fmt(info['us'])} us", flush=True)
     elif kind == "batch":
         print(f"batch {info['iteration']}: {info['candidates']} to measure, {info['invalid']} invalid", flush=True)
     elif kind == "measured":
@@ -384,20 +409,24 @@ def leaderboard_cmd(
     layout: Annotated[Optional[str], typer.Option()] = None,
     status: Annotated[Optional[str], typer.Option(help=f"show rows of this status: {' | '.join(STATUSES)}")] = None,
     top: Annotated[int, typer.Option(help="kernels per problem")] = 1,
-    bench: Annotated[Optional[str], typer.Option(
-        help="rows timed this way only: fenced (the current offline protocol) | back-to-back (rows from "
-             "before it); speedups of the two are not comparable for kernels that launch early (PDL)")] = None,
+    bench: Annotated[str, typer.Option(
+        help=f"rows of this bench protocol: {PROTOCOL} (this version's) | {' | '.join(STUDY_PROTOCOLS)} "
+             "(earlier protocols, never ranked with it)")] = PROTOCOL,
     format: Annotated[str, typer.Option(help="table | csv | json | markdown")] = "table",
     shapes: Annotated[Optional[Path], typer.Option(
         help="a shape set (CSV with m,n,k,dtype,layout columns): its rows only, in its order, "
              "with the geometric mean and minimum of their best speedups")] = None,
     export: Annotated[bool, typer.Option(
         "--export", help="also write each best kernel shown to results/best/<gpu>/<dtype>_<layout>/<m>_<n>_<k>.cu")] = False,
+    migrate: Annotated[bool, typer.Option(
+        "--migrate", help="rewrite every part into one part of the current schema, then show as asked")] = False,
     results: Results = None,
 ) -> None:
-    """Show the best verified kernel per problem with its speedup over cuBLAS.
+    """Show the best verified kernel per problem with its speedup over the fastest library call.
 
-    With --status, show the rows of that status instead (for example the cheats and why).
+    The speedup is the lower of the CUPTI and in-graph ratios against the fastest of
+    cuBLAS, cuBLASLt autotuned and torch.matmul from the same run. With --status, show the
+    rows of that status instead (for example the cheats and why).
     """
     if format not in ("table", "csv", "json", "markdown"):
         raise Cudal2Error(f"unknown format {format!r}; choose table, csv, json or markdown")
@@ -405,13 +434,16 @@ def leaderboard_cmd(
         raise Cudal2Error(f"unknown status {status!r}; choose one of {', '.join(STATUSES)}")
     if top < 1:
         raise Cudal2Error(f"--top must be >= 1, got {top}")
-    if bench is not None and bench not in (PROTOCOL, EARLIER_PROTOCOL):
-        raise Cudal2Error(f"unknown --bench {bench!r}; choose {PROTOCOL} or {EARLIER_PROTOCOL}")
+    if bench not in PROTOCOLS:
+        raise Cudal2Error(f"unknown --bench {bench!r}; choose {', '.join(PROTOCOLS)}")
     if export and status is not None:
         raise Cudal2Error("--export writes the best kernels; it does not combine with --status")
     settings = load_settings({"results": results})
     board = Leaderboard(settings.results)
-    df = select(board.read(), m=m, n=n, k=k, gpu=gpu, dtype=dtype, layout=layout, bench=bench)
+    if migrate:
+        replaced, count = board.migrate()
+        typer.echo(f"migrated {replaced} part(s), {count} rows, into one part of the current schema", err=True)
+    df = select(board.read(bench), m=m, n=n, k=k, gpu=gpu, dtype=dtype, layout=layout)
     keys = ["gpu", "m", "n", "k", "dtype", "layout"]
     if shapes is not None:
         if status is not None:
@@ -422,8 +454,7 @@ def leaderboard_cmd(
         return
     if status is None:
         df = best(df, top)
-        columns = keys + ["kernel", "offline_us", "cublas_offline_us", "speedup_offline", "tflops",
-                          "server_us", "speedup_server", "bench", "time"]
+        columns = keys + SHAPE_COLUMNS[6:] + ["server_us", "speedup_server", "time"]
     else:
         df = df[df["status"] == status].sort_values(keys + ["time"]).groupby(keys, dropna=False).head(top)
         columns = keys + ["kernel", "status", "error", "time"]
@@ -453,14 +484,19 @@ def read_shapes(path: Path) -> list[Problem]:
     return [Problem.parse(r.m, r.n, r.k, r.dtype, r.layout) for r in table.itertuples()]
 
 
+# What a report shows of each best kernel: both methods, every baseline, the claim.
+SHAPE_COLUMNS = ["gpu", "m", "n", "k", "dtype", "layout", "kernel", "kernel_us", "graph_us", "baseline",
+                 "baseline_offline_us", "speedup_kernel", "speedup_graph", "speedup_vs_cublas", "speedup_vs_cublaslt",
+                 "speedup_vs_torch", "speedup_offline", "tflops", "bench"]
+
+
 def report_shapes(df: pd.DataFrame, problems: list[Problem], format: str) -> pd.DataFrame:
     """The best kernel of every listed problem (per GPU), then the geometric mean and the
     minimum of their speedups; a problem with no verified kernel is listed as missing.
     Returns the winners' full rows."""
     winners = best(df, 1)
     chosen = []
-    columns = ["gpu", "m", "n", "k", "dtype", "layout", "kernel", "offline_us", "cublas_offline_us",
-               "speedup_offline", "tflops", "bench"]
+    columns = SHAPE_COLUMNS
     rows = []
     for p in problems:
         found = select(winners, m=p.m, n=p.n, k=p.k, dtype=p.dtype, layout=p.layout)
@@ -481,7 +517,8 @@ def report_shapes(df: pd.DataFrame, problems: list[Problem], format: str) -> pd.
     else:
         emit_frame(frame, format)
         if format != "csv":
-            print(f"{summary['measured']} of {summary['shapes']} shapes measured; speedup over cuBLAS: geometric "
+            print(f"{summary['measured']} of {summary['shapes']} shapes measured; speedup over the fastest library "
+                  "call (lower of CUPTI and graph): geometric "
                   f"mean {fmt(summary['geomean_speedup'], 3)}, minimum {fmt(summary['min_speedup'], 3)}")
     return pd.concat(chosen) if chosen else winners.iloc[0:0]
 

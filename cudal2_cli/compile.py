@@ -107,10 +107,10 @@ def flags(arch: str) -> list[str]:
     return [*BASE_FLAGS, f"-gencode=arch=compute_{target},code=sm_{target}", *includes]
 
 
-def cache_key(source: str, arch: str) -> str:
+def cache_key(source: str, arch: str, link: tuple[str, ...] = ()) -> str:
     payload = json.dumps(
         [source, [f for f in flags(arch) if not f.startswith("-I")], nvcc_version(),
-         cutlass_version(), arch]
+         cutlass_version(), arch, *([list(link)] if link else [])]
     )
     return hashlib.sha256(payload.encode()).hexdigest()
 
@@ -215,9 +215,9 @@ class Compiler:
     def entry(self, key: str) -> Path:
         return self.root / key[:2] / key
 
-    def lookup(self, source: str) -> Build | None:
-        """The cached build of `source`, or None."""
-        key = cache_key(source, self.arch)
+    def lookup(self, source: str, link: tuple[str, ...] = ()) -> Build | None:
+        """The cached build of `source` (linked with `link`), or None."""
+        key = cache_key(source, self.arch, link)
         meta = self.entry(key) / "build.json"
         if not meta.is_file():
             return None
@@ -226,17 +226,18 @@ class Compiler:
             build.library = self.entry(key) / LIBRARY
         return build
 
-    def compile(self, source: str, generation: int | None = None) -> Build:
+    def compile(self, source: str, generation: int | None = None, link: tuple[str, ...] = ()) -> Build:
         """One source to a library; a compile error or timeout is a Build, not an exception
-        (cancel() raises Cancelled in the compiles it stops)."""
+        (cancel() raises Cancelled in the compiles it stops). `link`: extra nvcc flags for
+        the trusted baselines that call a library (candidates link none)."""
         generation = self._generation if generation is None else generation
-        if (hit := self.lookup(source)) is not None:
+        if (hit := self.lookup(source, link)) is not None:
             return hit
-        key = cache_key(source, self.arch)
+        key = cache_key(source, self.arch, link)
         self.root.mkdir(parents=True, exist_ok=True)
         work = Path(tempfile.mkdtemp(prefix=f".{key[:12]}-", dir=self.root))
         (work / "kernel.cu").write_text(source)
-        cmd = [find_nvcc(), *flags(self.arch), "kernel.cu", "-o", LIBRARY]
+        cmd = [find_nvcc(), *flags(self.arch), "kernel.cu", "-o", LIBRARY, *link]
         start = time.monotonic()
         try:
             returncode, log = self._run_nvcc(cmd, work, generation)
@@ -258,7 +259,7 @@ class Compiler:
         record = {k: v for k, v in asdict(build).items() if k not in ("library", "cached")}
         (work / "build.json").write_text(json.dumps(record, indent=1))
         self._publish(work, key)
-        published = self.lookup(source)
+        published = self.lookup(source, link)
         published.cached = False  # this call ran nvcc (or raced another that did)
         return published
 

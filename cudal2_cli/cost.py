@@ -142,7 +142,8 @@ def measured_configurations(df: pd.DataFrame, gpu: str) -> dict[Problem, dict[tu
     """What the leaderboard says about the template configurations on one GPU: per problem,
     (template, params JSON of today's space) -> best offline speedup measured. Speedups of
     one problem are compared within one bench protocol (the `bench` column): the one with
-    the most configurations measured, the current ("fenced") on a tie."""
+    the most configurations measured, this version's on a tie. (Configurations are only
+    compared with each other: the ratio between two kernels of one protocol.)"""
     templates = load_templates()
     ok = df[(df["status"] == "ok") & df["template"].isin(list(templates)) & (df["gpu"] == gpu)
             & df["speedup_offline"].notna()]

@@ -14,11 +14,12 @@ import pandas as pd
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from .bench import EARLIER_PROTOCOL, PROTOCOL
+from .baselines import NAMES as BASELINE_NAMES
+from .bench import PROTOCOL
 from .errors import Cudal2Error
 
 STATUSES = ("ok", "unsupported", "compile_error", "wrong", "cheat", "crash", "timeout", "invalid")
-BASELINES = ("cuBLAS", "torch.matmul")
+BASELINES = BASELINE_NAMES
 
 _I, _F, _S = pa.int64(), pa.float64(), pa.string()
 SCHEMA = pa.schema([
@@ -40,14 +41,28 @@ SCHEMA = pa.schema([
     ("server_us", _F), ("server_p20_us", _F), ("server_p80_us", _F), ("server_samples", _I),
     ("cublas_offline_us", _F), ("cublas_server_us", _F),
     ("speedup_offline", _F), ("speedup_server", _F), ("tflops", _F),
-    # how offline times were taken (cudal2_cli/bench.py): "fenced" (each launch followed by an
-    # empty kernel whose time is subtracted; outputs alone poisoned) or "back-to-back" (rows
-    # from before the fence, whose parts lack this column)
+    # how times were taken (cudal2_cli/bench.py): PROTOCOL, or an earlier offline protocol
+    # ("fenced"; "back-to-back" for parts written before this column existed)
     ("bench", _S),
+    # the protocol's two methods: CUPTI device time per call, and in a CUDA graph between
+    # neighbour kernels; offline_* above is the method whose ratio is the lower (the claim)
+    ("kernel_us", _F), ("kernel_p20_us", _F), ("kernel_p80_us", _F), ("kernel_samples", _I),
+    ("graph_us", _F), ("graph_p20_us", _F), ("graph_p80_us", _F), ("graph_samples", _I),
+    # every baseline by every method, from the same run as the row
+    *[(f"{b}_{m}_us", _F) for m in ("kernel", "graph") for b in ("cublas", "cublaslt", "torch")],
+    ("cublaslt_server_us", _F), ("torch_server_us", _F),
+    # speedups: per method against the fastest baseline, and (lower of the two methods)
+    # against each baseline; `baseline` names the fastest in the claimed method
+    ("speedup_kernel", _F), ("speedup_graph", _F),
+    ("speedup_vs_cublas", _F), ("speedup_vs_cublaslt", _F), ("speedup_vs_torch", _F),
+    ("baseline", _S), ("baseline_offline_us", _F), ("baseline_server_us", _F),
+    ("cublaslt_algo", _S),  # the autotuned cuBLASLt algorithm (JSON: index, of, id, tile, ...)
 ])
 COLUMNS = SCHEMA.names
-# Parts written before these columns existed read them as this value.
-ADDED_COLUMNS = {"bench": EARLIER_PROTOCOL}
+# Parts written before the protocol column existed were timed back to back.
+ADDED_COLUMNS = {"bench": "back-to-back"}
+# The columns every cudal2 part has had; a file without them is not a leaderboard part.
+CORE_COLUMNS = ("run_id", "time", "gpu", "m", "n", "k", "dtype", "layout", "kernel", "status")
 
 
 def source_hash(source: str) -> str:
@@ -98,8 +113,17 @@ class Leaderboard:
     def source(self, digest: str) -> str:
         return (self.sources / f"{digest}.cu").read_text()
 
-    def read(self) -> pd.DataFrame:
-        """All rows; a part that is not a readable leaderboard part is skipped with a warning."""
+    def read(self, bench: str | None = PROTOCOL) -> pd.DataFrame:
+        """Rows timed by the protocol `bench` (None: every protocol). Parts written before a
+        column existed read it as null; a part that is not a readable leaderboard part is
+        skipped with a warning."""
+        tables = [table for _, table in self._tables()]
+        if not tables:
+            return SCHEMA.empty_table().to_pandas()
+        df = pa.concat_tables(tables).to_pandas()
+        return df if bench is None else df[df["bench"] == bench].reset_index(drop=True)
+
+    def _tables(self) -> list[tuple[Path, pa.Table]]:
         if self.parts.exists() and not self.parts.is_dir():
             raise Cudal2Error(f"leaderboard path {self.parts} is not a directory")
         if self.parts.exists() and not os.access(self.parts, os.R_OK | os.X_OK):
@@ -108,17 +132,34 @@ class Leaderboard:
         for path in sorted(self.parts.glob("*.parquet")) if self.parts.exists() else []:
             try:
                 table = pq.read_table(path)
-                for column, value in ADDED_COLUMNS.items():
-                    if column not in table.column_names:
-                        table = table.append_column(column, pa.array([value] * table.num_rows, _S))
-                if not set(COLUMNS) <= set(table.column_names):
+                if not set(CORE_COLUMNS) <= set(table.column_names):
                     raise ValueError("not a cudal2 leaderboard part (columns differ)")
-                tables.append(table.select(COLUMNS).cast(SCHEMA))
+                for field in SCHEMA:
+                    if field.name not in table.column_names:
+                        value = ADDED_COLUMNS.get(field.name)
+                        table = table.append_column(field.name, pa.array([value] * table.num_rows, field.type))
+                tables.append((path, table.select(COLUMNS).cast(SCHEMA)))
             except Exception as exc:  # a corrupt or foreign file costs itself, nothing else
-                warnings.warn(f"skipping {path.name}: {exc}", stacklevel=2)
-        if not tables:
-            return SCHEMA.empty_table().to_pandas()
-        return pa.concat_tables(tables).to_pandas()
+                warnings.warn(f"skipping {path.name}: {exc}", stacklevel=3)
+        return tables
+
+    def migrate(self) -> tuple[int, int]:
+        """Rewrites every readable part into one part of the current schema (so that pandas,
+        duckdb and polars read the directory whole); returns (parts replaced, rows). The new
+        part is in place before any old one is removed, and a part written meanwhile by
+        another process is left alone."""
+        found = self._tables()
+        if not found:
+            return 0, 0
+        merged = pa.concat_tables([table for _, table in found])
+        self._mkdir(self.parts)
+        name = f"part-{datetime.now(timezone.utc):%Y%m%dT%H%M%S}-{uuid.uuid4().hex[:8]}.parquet"
+        tmp = self.parts / f".{name}.tmp"
+        pq.write_table(merged, tmp)
+        os.replace(tmp, self.parts / name)
+        for path, _ in found:
+            path.unlink()
+        return len(found), merged.num_rows
 
     def _mkdir(self, path: Path) -> None:
         try:
@@ -136,14 +177,10 @@ def select(df: pd.DataFrame, **filters: Any) -> pd.DataFrame:
 
 
 def best(df: pd.DataFrame, top: int = 1) -> pd.DataFrame:
-    """The `top` fastest verified kernels per problem and GPU, by offline speedup. A problem
-    with rows timed under the current bench protocol is ranked on those alone: back-to-back
-    rows of kernels that launch early (PDL) read faster than they would fenced."""
+    """The `top` fastest verified kernels per problem, GPU and bench protocol, by the claimed
+    offline speedup (rows of two protocols are never ranked together)."""
     ok = df[(df["status"] == "ok") & ~df["kernel"].isin(BASELINES) & df["speedup_offline"].notna()]
-    keys = ["gpu", "m", "n", "k", "dtype", "layout"]
-    current = ok["bench"] == PROTOCOL
-    measured_now = pd.MultiIndex.from_frame(ok.loc[current, keys])
-    ok = ok[current | ~pd.MultiIndex.from_frame(ok[keys]).isin(measured_now)]
+    keys = ["gpu", "m", "n", "k", "dtype", "layout", "bench"]
     ranked = ok.sort_values("speedup_offline", ascending=False)
     ranked = ranked.drop_duplicates(keys + ["source_hash"])
     return ranked.groupby(keys, sort=True, dropna=False).head(top).reset_index(drop=True)

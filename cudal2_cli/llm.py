@@ -151,7 +151,7 @@ class LLMProposer:
 
     def _facts(self, problem: Problem, history: list[dict[str, Any]], n: int) -> dict[str, Any]:
         """What round.md.j2 shows."""
-        baselines = [us for row in history if (us := _number(row.get("cublas_offline_us")))]
+        baselines = [us for row in history if (us := _number(row.get("baseline_offline_us")))]
         baseline_us = statistics.median(baselines) if baselines else None
         measured = sorted(
             (row for row in history

@@ -18,7 +18,7 @@ from typing import Any
 from .candidate import Candidate
 from .errors import Cudal2Error
 from .leaderboard import BASELINES, Leaderboard, select, source_hash
-from .pipeline import Built, Context, build_all, invalid_row, measure, measure_baselines
+from .pipeline import Built, Context, build_all, invalid_row, measure_baselines, measure_row
 from .problem import Problem
 from .propose import Proposer
 from .render import render
@@ -37,6 +37,7 @@ class Outcome:
     """What a run did: its rows, the best kernel for the problem, and where time went."""
 
     rows: list[dict[str, Any]] = field(default_factory=list)
+    baseline: str | None = None  # the fastest library call
     baseline_us: float | None = None
     best: dict[str, Any] | None = None
     exported: Path | None = None
@@ -85,9 +86,10 @@ def optimize(ctx: Context, proposer: Proposer, budget: Budget, *, remeasure: boo
     history += baseline_rows
     if remeasure:
         visible += baseline_rows
-    out.baseline_us = next((r.get(f"{ctx.mode if ctx.mode != 'both' else 'offline'}_us")
-                            for r in baseline_rows if r["kernel"] == "cuBLAS"), None)
-    emit("baseline", {"us": out.baseline_us})
+    fastest = min((r for r in baseline_rows if r.get(f"{ctx.mode}_us") is not None),
+                  key=lambda r: r[f"{ctx.mode}_us"], default=None)
+    out.baseline, out.baseline_us = (fastest["kernel"], fastest[f"{ctx.mode}_us"]) if fastest else (None, None)
+    emit("baseline", {"us": out.baseline_us, "name": out.baseline})
 
     def over_time() -> bool:
         return budget.time_s is not None and time.monotonic() - start >= budget.time_s
@@ -148,24 +150,29 @@ def optimize(ctx: Context, proposer: Proposer, budget: Budget, *, remeasure: boo
                 out.stopped = "the proposer has nothing new"
                 break
             improved = False
-            for item in built:
-                if over_time():
-                    break
-                binary = _binary_hash(item)
-                if binary is not None and binary in seen_binaries:
-                    out.duplicates += 1
-                    continue
-                if binary is not None:
-                    seen_binaries.add(binary)
-                t0 = time.monotonic()
-                row = next(measure(ctx, [item]))
-                out.gpu_s += time.monotonic() - t0 if item.build.status == "ok" else 0.0
-                out.rows.append(row)
-                _extend(history, visible, [row])
-                speedup = row.get(metric)
-                if row["status"] == "ok" and speedup and speedup > best_speedup:
-                    best_speedup, improved = speedup, True
-                emit("measured", {"row": row, "speedup": speedup, "best_speedup": best_speedup})
+            batch_rows = list(invalid)
+            try:  # one leaderboard part per batch, written even when the batch is interrupted
+                for item in built:
+                    if over_time():
+                        break
+                    binary = _binary_hash(item)
+                    if binary is not None and binary in seen_binaries:
+                        out.duplicates += 1
+                        continue
+                    if binary is not None:
+                        seen_binaries.add(binary)
+                    t0 = time.monotonic()
+                    row = measure_row(ctx, item)
+                    out.gpu_s += time.monotonic() - t0 if item.build.status == "ok" else 0.0
+                    batch_rows.append(row)
+                    out.rows.append(row)
+                    _extend(history, visible, [row])
+                    speedup = row.get(metric)
+                    if row["status"] == "ok" and speedup and speedup > best_speedup:
+                        best_speedup, improved = speedup, True
+                    emit("measured", {"row": row, "speedup": speedup, "best_speedup": best_speedup})
+            finally:
+                ctx.leaderboard.append(batch_rows)
             del in_flight[: len(built)]
             stale = 0 if improved else stale + 1
             if last:
@@ -219,8 +226,9 @@ def export_best(leaderboard: Leaderboard, results: Path, row: dict[str, Any], mo
     header = "\n".join([
         f"// cudal2 best kernel for C[{p.m},{p.n}] = A[{p.m},{p.k}] @ {'B' if p.layout == 'nn' else 'W^T'} "
         f"({p.dtype}, layout {p.layout}, fp32 accumulation)",
-        f"// speedup {row[f'speedup_{mode}']:.3f}x over cuBLAS ({row[f'cublas_{mode}_us']:.2f} us -> "
-        f"{row[f'{mode}_us']:.2f} us, {mode} device time) on {row.get('gpu')} ({row.get('arch')})",
+        f"// speedup {row[f'speedup_{mode}']:.3f}x over the fastest library call, {row.get('baseline')} "
+        f"({row[f'baseline_{mode}_us']:.2f} us -> {row[f'{mode}_us']:.2f} us, {mode}, bench {row.get('bench')}) "
+        f"on {row.get('gpu')} ({row.get('arch')})",
         f"// measured {row['time'] if 'time' in row else datetime.now(timezone.utc)}; {origin}",
         f"// build: nvcc -O3 -std=c++17 -shared -Xcompiler -fPIC -gencode=arch=compute_{row.get('arch', 'sm_90a').removeprefix('sm_')},"
         f"code={row.get('arch')} -I<cutlass>/include -I<cutlass>/tools/util/include kernel.cu -o kernel.so",

@@ -11,7 +11,8 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
-from .bench import PROTOCOL
+from .baselines import COLUMN, NAMES as BASELINES, algo_json, build_cublaslt
+from .bench import OFFLINE_METHODS, PROTOCOL, claimed
 from .candidate import Candidate
 from .compile import Build, Compiler
 from .config import Settings
@@ -43,6 +44,8 @@ class Context:
     mode: str = "offline"
     proposer: str = "user"
     model: str | None = None
+    protocol: str = PROTOCOL  # an earlier offline protocol only for study (`cudal2 bench --bench`)
+    cublaslt: str | None = None  # the cuBLASLt baseline's library (built on first use)
 
     def base_row(self) -> dict[str, Any]:
         env = self.worker.environment or {}
@@ -50,43 +53,81 @@ class Context:
         return {
             "run_id": self.run_id, **{c: env.get(c) for c in ENV_COLUMNS}, **toolchain(),
             "arch": self.compiler.arch, "m": p.m, "n": p.n, "k": p.k, "dtype": p.dtype,
-            "layout": p.layout, "proposer": self.proposer, "model": self.model, "bench": PROTOCOL,
+            "layout": p.layout, "proposer": self.proposer, "model": self.model, "bench": self.protocol,
         }
 
     def job(self, op: str, **extra: Any) -> dict[str, Any]:
         p = self.problem
+        if self.protocol == PROTOCOL and self.cublaslt is None:
+            self.cublaslt = str(build_cublaslt(self.compiler, p))
         return {
             "op": op, "problem": {"m": p.m, "n": p.n, "k": p.k, "dtype": p.dtype, "layout": p.layout},
-            "settings": {"mode": self.mode, "budget_s": self.settings.budget, "qps": self.settings.qps},
-            **extra,
+            "settings": {"mode": self.mode, "budget_s": self.settings.budget, "qps": self.settings.qps,
+                         "protocol": self.protocol},
+            "cublaslt": self.cublaslt, **extra,
         }
 
 
-def _timing_columns(timings: dict[str, dict[str, dict]], name: str, flops: int) -> dict[str, Any]:
+def _stats(prefix: str, timing: dict) -> dict[str, Any]:
+    return {f"{prefix}_us": timing["median_us"], f"{prefix}_p20_us": timing["p20_us"],
+            f"{prefix}_p80_us": timing["p80_us"], f"{prefix}_samples": timing["samples"]}
+
+
+def timing_columns(timings: dict[str, dict[str, dict]], name: str, flops: int) -> dict[str, Any]:
+    """Leaderboard columns of contestant `name` from the worker's {method: {contestant: timing}}.
+
+    Per method: its times and each baseline's (`cublas_kernel_us`, ...), and `speedup_<method>`
+    against the fastest baseline of that method. The claimed offline speedup,
+    `speedup_offline`, is the lower of the kernel and graph ratios; `offline_us`,
+    `baseline_offline_us` and `baseline` are the times and the fastest baseline of that
+    method. `speedup_vs_<baseline>` is the lower of the two ratios against that one baseline.
+    Rows of the study protocols carry `offline`/`server` timings against cuBLAS alone.
+    """
     row: dict[str, Any] = {}
-    for mode, entries in timings.items():
-        mine, cublas = entries.get(name), entries.get("cuBLAS")
+    ratios: dict[str, float] = {}
+    fastest: dict[str, tuple[float, str]] = {}
+    for method, entries in timings.items():
+        mine = entries.get(name)
         if mine is None:
             continue
-        row.update({
-            f"{mode}_us": mine["median_us"], f"{mode}_p20_us": mine["p20_us"],
-            f"{mode}_p80_us": mine["p80_us"], f"{mode}_samples": mine["samples"],
-        })
-        if cublas is not None:
-            row[f"cublas_{mode}_us"] = cublas["median_us"]
-            row[f"speedup_{mode}"] = cublas["median_us"] / mine["median_us"]
+        row.update(_stats(method, mine))
+        present = {b: entries[b]["median_us"] for b in BASELINES if b in entries}
+        if "offline" in timings:  # a study protocol's row: cuBLAS was its baseline
+            present = {b: us for b, us in present.items() if b == "cuBLAS"}
+        for baseline, us in present.items():
+            row[f"{COLUMN[baseline]}_{method}_us"] = us
+        if present:
+            us, baseline = min((us, b) for b, us in present.items())
+            fastest[method] = (us, baseline)
+            ratios[method] = us / mine["median_us"]
+            row[f"speedup_{method}"] = ratios[method]
+    if (claim := claimed(ratios)) is not None:
+        method, ratio = claim
+        row.update(offline_us=row[f"{method}_us"], offline_p20_us=row[f"{method}_p20_us"],
+                   offline_p80_us=row[f"{method}_p80_us"], offline_samples=row[f"{method}_samples"],
+                   speedup_offline=ratio, baseline_offline_us=fastest[method][0], baseline=fastest[method][1],
+                   cublas_offline_us=row.get(f"cublas_{method}_us"))
+        for baseline, column in COLUMN.items():
+            against = [row[f"{column}_{m}_us"] / row[f"{m}_us"] for m in OFFLINE_METHODS if f"{column}_{m}_us" in row]
+            if against:
+                row[f"speedup_vs_{column}"] = min(against)
+    elif "offline" in fastest:
+        row.update(baseline_offline_us=fastest["offline"][0], baseline=fastest["offline"][1])
+    if "server" in fastest:
+        row["baseline_server_us"] = fastest["server"][0]
     if "offline_us" in row:
         row["tflops"] = flops / row["offline_us"] / 1e6
     return row
 
 
 def measure_baselines(ctx: Context) -> list[dict[str, Any]]:
-    """cuBLAS and torch.matmul (when importable), interleaved in one worker call."""
+    """cuBLAS, cuBLASLt autotuned and torch.matmul (when importable), in one worker call."""
     result = ctx.worker.request(ctx.job("baselines"), ctx.settings.timeout)
     rows = []
     for name, (err, tol) in result.get("errors", {}).items():
         row = {**ctx.base_row(), "kernel": name, "status": "ok", "max_error": err, "tolerance": tol,
-               **_timing_columns(result["timings"], name, ctx.problem.flops)}
+               "cublaslt_algo": algo_json(result.get("cublaslt")),
+               **timing_columns(result["timings"], name, ctx.problem.flops)}
         if err > tol:
             row.update(status="wrong", error=f"max error {err:.3g} exceeds tolerance {tol:.3g}")
         rows.append(row)
@@ -121,26 +162,34 @@ def build_all(ctx: Context, candidates: list[Candidate], generation: int | None 
     return [Built(c, s, b) for c, s, b in zip(candidates, sources, ctx.compiler.compile_all(sources, generation))]
 
 
-def measure(ctx: Context, built: list[Built]) -> Iterator[dict[str, Any]]:
-    """Verifies and benches each compiled candidate on the GPU.
+def measure_row(ctx: Context, item: Built) -> dict[str, Any]:
+    """Verifies and benches one compiled candidate on the GPU: its leaderboard row (not yet
+    appended)."""
+    row = _candidate_row(ctx, item.candidate, item.source, item.build)
+    if item.build.status != "ok":
+        row.update(status=item.build.status, error=item.build.log[-LOG_LIMIT:])
+    elif bad := forbidden_imports(item.build.imports):
+        row.update(status="cheat", error=f"imports forbidden symbols: {', '.join(bad)}")
+    else:
+        result = ctx.worker.request(ctx.job("kernel", library=str(item.build.library)), ctx.settings.timeout)
+        row.update(status=result["status"], error=result.get("error") or None,
+                   max_error=result.get("max_error"), tolerance=result.get("tolerance"),
+                   cublaslt_algo=algo_json(result.get("cublaslt")),
+                   **timing_columns(result.get("timings", {}), "kernel", ctx.problem.flops))
+    return row
 
-    Yields one row per candidate as soon as it exists; each row is already appended to the
-    leaderboard, so an interrupted run keeps everything measured so far.
-    """
-    for item in built:
-        row = _candidate_row(ctx, item.candidate, item.source, item.build)
-        if item.build.status != "ok":
-            row.update(status=item.build.status, error=item.build.log[-LOG_LIMIT:])
-        elif bad := forbidden_imports(item.build.imports):
-            row.update(status="cheat", error=f"imports forbidden symbols: {', '.join(bad)}")
-        else:
-            job = ctx.job("kernel", library=str(item.build.library))
-            result = ctx.worker.request(job, ctx.settings.timeout)
-            row.update(status=result["status"], error=result.get("error") or None,
-                       max_error=result.get("max_error"), tolerance=result.get("tolerance"),
-                       **_timing_columns(result.get("timings", {}), "kernel", ctx.problem.flops))
-        ctx.leaderboard.append([row])
-        yield row
+
+def measure(ctx: Context, built: list[Built]) -> Iterator[dict[str, Any]]:
+    """measure_row for each candidate, yielding each row as soon as it exists. The rows go
+    to the leaderboard as one part when the batch ends, or when it is interrupted (Ctrl-C,
+    an error): what was measured is kept either way."""
+    rows = []
+    try:
+        for item in built:
+            rows.append(measure_row(ctx, item))
+            yield rows[-1]
+    finally:
+        ctx.leaderboard.append(rows)
 
 
 def evaluate(ctx: Context, candidates: list[Candidate]) -> Iterator[dict[str, Any]]:
@@ -149,7 +198,5 @@ def evaluate(ctx: Context, candidates: list[Candidate]) -> Iterator[dict[str, An
 
 
 def invalid_row(ctx: Context, reason: str, text: str, label: str) -> dict[str, Any]:
-    """A proposal that never became a kernel (bad parameters, unparsable reply), recorded."""
-    row = {**ctx.base_row(), "kernel": label, "status": "invalid", "error": f"{reason}\n{text}"[:LOG_LIMIT]}
-    ctx.leaderboard.append([row])
-    return row
+    """A proposal that never became a kernel (bad parameters, unparsable reply): its row."""
+    return {**ctx.base_row(), "kernel": label, "status": "invalid", "error": f"{reason}\n{text}"[:LOG_LIMIT]}

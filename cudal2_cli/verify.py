@@ -201,6 +201,15 @@ class Operands:
             return gen.random(shape, dtype=cp.float32)
         raise ValueError(distribution)
 
+    def perturb(self, operand: str, rng, count: int = 8) -> None:
+        """Sets `count` random entries of A or B to 8.0 in place (the rest unchanged); each
+        changes a row (A) or column (B) of C far beyond the tolerance."""
+        x = self.a if operand == "a" else self.b
+        flat = x.reshape(-1)
+        where = self.cp.asarray(rng.sample(range(flat.size), min(count, flat.size)))
+        flat[where] = self.cp.float16(8.0) if self.num.dtype == "fp16" else self.cp.uint16(0x4100)  # bf16 8.0
+        self.a_copy, self.b_copy = self.a.copy(), self.b.copy()
+
     def poison(self, rng) -> None:
         """NaN in C (poison_output); random bytes in the workspace."""
         poison_output(self.c)
@@ -288,6 +297,20 @@ def _verify(kernel: Kernel, problem: Problem, stream, baseline, rng) -> Verdict:
     for ops, dist in ((first, "normal"), (first, "uniform"), (second, "positive"), (second, "accumulation")):
         ops.fill(dist, rng)
         worst = max(worst, _checked_call(ops, kernel, stream, rng, f"{dist} inputs", baseline))
+
+    # A result memoised under a sample of the inputs (in the workspace or in the library's
+    # static memory) comes back after a change of a few entries it did not sample.
+    for operand in ("a", "b"):
+        first.fill("normal", rng)
+        _checked_call(first, kernel, stream, rng, "normal inputs", baseline)
+        first.perturb(operand, rng)
+        try:
+            _checked_call(first, kernel, stream, rng, f"a few entries of {operand.upper()} changed", baseline)
+        except Rejected as r:
+            if r.status != "wrong":
+                raise
+            raise Rejected("cheat", f"{r} after the same call on the inputs before the change: a result "
+                                    "cached from an earlier call") from None
 
     # Work outside the given stream (another stream, the legacy stream, the host) is not
     # captured into a graph: replaying the graph must still produce all of C.

@@ -14,8 +14,10 @@ import traceback
 from dataclasses import asdict
 from typing import Any
 
+from .bench import STUDY_PROTOCOLS
 from .errors import Cudal2Error
 from .problem import Problem
+from .verify import UNIT_ROUNDOFF, poison_output
 
 
 class Worker:
@@ -95,6 +97,7 @@ def _serve(conn, device: int) -> None:
         import cupy
 
         from .environment import describe_device
+        from .measure import CuptiTimer
 
         if cupy.cuda.runtime.getDeviceCount() <= device:
             raise RuntimeError(f"device {device} does not exist")
@@ -104,7 +107,8 @@ def _serve(conn, device: int) -> None:
             cupy.cuda.runtime.deviceSetLimit(0x06, 0)  # cudaLimitPersistingL2CacheSize
         except cupy.cuda.runtime.CUDARuntimeError:
             pass
-    except Exception as exc:  # no driver, no device, no CuPy
+        timer = CuptiTimer()
+    except Exception as exc:  # no driver, no device, no CuPy, no CUPTI
         conn.send({"fatal": f"no usable CUDA device: {str(exc).splitlines()[0] if str(exc) else type(exc).__name__}"})
         return
     conn.send({"environment": environment})
@@ -114,7 +118,7 @@ def _serve(conn, device: int) -> None:
         if job is None:
             return
         try:
-            result = handlers[job["op"]](job, environment)
+            result = handlers[job["op"]](job, environment, timer)
         except (cupy.cuda.runtime.CUDARuntimeError, cupy.cuda.driver.CUDADriverError) as exc:
             # The context may be unusable (illegal address, launch failure): report and die.
             conn.send({"status": "crash", "error": str(exc)})
@@ -130,155 +134,163 @@ def _serve(conn, device: int) -> None:
             conn.send(result)
 
 
-CUDA_R_16F, CUDA_R_16BF = 2, 14
-CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT = 68, -1
+# cuBLASLt's autotuned choice per problem, kept for the worker's life (its later jobs).
+_LT_CHOICE: dict[tuple, dict[str, Any]] = {}
 
 
-def cublas_gemm(problem: Problem, stream):
-    """C = A @ B (or A @ W^T) through cublasGemmEx with fp32 compute: the cuBLAS baseline.
-
-    The returned function takes the shape from its arrays (A is M x K, C is M x N), so one
-    baseline serves every shape of the problem's dtype and layout. cuBLAS is column-major;
-    a row-major C[M,N] is C^T in its eyes, so it computes C^T = B^T A^T: (N x K)(K x M),
-    with W's transpose taking op T.
-    """
-    import cupy
-    import numpy as np
-    from cupy_backends.cuda.libs import cublas
-
-    handle = cupy.cuda.device.get_cublas_handle()
-    dtype = CUDA_R_16F if problem.dtype == "fp16" else CUDA_R_16BF
-    alpha, beta = np.ones(1, np.float32), np.zeros(1, np.float32)
-    transposed = problem.layout == "nt"
+def _abi_call(kernel, workspace, problem: Problem, stream, name: str):
+    """run(a, b, c) for a library implementing the kernel ABI; a non-zero return is an error."""
+    from .verify import Rejected
 
     def run(a, b, c) -> None:
-        (m, k), n = a.shape, c.shape[1]
-        op_b, ldb = (cublas.CUBLAS_OP_T, k) if transposed else (cublas.CUBLAS_OP_N, n)
-        cublas.setStream(handle, stream.ptr)
-        cublas.gemmEx(handle, op_b, cublas.CUBLAS_OP_N, n, m, k, alpha.ctypes.data,
-                      b.data.ptr, dtype, ldb, a.data.ptr, dtype, k, beta.ctypes.data,
-                      c.data.ptr, dtype, n, CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT)
+        code = kernel.gemm(a.data.ptr, b.data.ptr, c.data.ptr, problem.m, problem.n, problem.k,
+                           workspace.data.ptr, workspace.nbytes, stream.ptr)
+        if code != 0:
+            raise Rejected("cheat", f"{name}: cudal2_gemm returned {code} while timed, 0 while verified")
 
     return run
 
 
-def torch_gemm(problem: Problem, stream):
-    """torch.mm with its default settings on the same buffers and stream, or None."""
-    try:
-        import torch
-    except ImportError:
-        return None
-    ext = torch.cuda.ExternalStream(stream.ptr)
-
-    def as_torch(x):
-        if problem.dtype == "fp16":
-            return torch.from_dlpack(x)
-        return torch.from_dlpack(x.view("int16")).view(torch.bfloat16)
-
-    def run(a, b, c) -> None:
-        ta, tb, tc = as_torch(a), as_torch(b), as_torch(c)
-        with torch.cuda.stream(ext):
-            torch.mm(ta, tb if problem.layout == "nn" else tb.t(), out=tc)
-
-    return run
-
-
-def _settings_modes(job) -> list[str]:
-    mode = job["settings"].get("mode", "offline")
-    return ["offline", "server"] if mode == "both" else [mode]
-
-
-def _bench_all(launches, outputs, ref, job, environment, stream, num, rng) -> dict[str, Any]:
-    """Bench `launches` in each requested mode. Every contestant's output (`outputs[name]`)
-    is poisoned before and checked against `ref` after every batch, so a kernel that behaves
-    differently while timed is caught. Only outputs are poisoned, the same way for all: a
-    kernel's workspace is as its last call left it (verify() calls it on random workspaces).
-    Refilling it before each batch charged the kernel alone for the writes, and proved
-    nothing: every call of a batch after the first sees what the call before it left."""
+def _baselines(problem: Problem, job: dict[str, Any], stream, timer, rng) -> tuple[dict, dict | None]:
+    """run(a, b, c) of each baseline, cuBLASLt autotuned for this problem (its record)."""
     import cupy
 
-    from .bench import bench
-    from .verify import Rejected, compare, poison_output
+    from .baselines import CublasLt, autotune, cublas_gemm, torch_gemm
+    from .measure import call_timer
 
-    settings = job["settings"]
-    l2 = cupy.empty(2 * environment["l2_bytes"], dtype=cupy.uint8)
+    run = {"cuBLAS": cublas_gemm(problem, stream)}
+    record = None
+    if job.get("cublaslt"):
+        lt = CublasLt(job["cublaslt"])
+        workspace = cupy.empty(max(1, lt.kernel.workspace_bytes(problem.m, problem.n, problem.k)), cupy.uint8)
+        run["cuBLASLt"] = _abi_call(lt.kernel, workspace, problem, stream, "cuBLASLt")
+        key = (problem.m, problem.n, problem.k, problem.dtype, problem.layout)
+        if key in _LT_CHOICE:
+            lt.algorithms(problem)
+            lt.select(_LT_CHOICE[key]["index"])
+        else:
+            median_us = call_timer(problem, stream=stream, timer=timer, rng=rng)
 
-    def before(name: str) -> None:
-        poison_output(outputs[name])
+            def time_index(i: int) -> float:
+                lt.select(i)
+                return median_us(run["cuBLASLt"])
 
-    def after(name: str) -> None:
-        _, _, why = compare(outputs[name], ref, num)
-        if why:
-            raise Rejected("cheat" if name == "kernel" else "wrong",
-                           f"output of timed calls differs from the verified result ({why})")
-
-    timings = {}
-    for mode in _settings_modes(job):
-        timings[mode] = {
-            name: asdict(t) for name, t in bench(
-                launches, stream=stream, mode=mode, budget_s=settings.get("budget_s", 1.0),
-                qps=settings.get("qps", 200.0), flush=lambda: l2.fill(0), before=before,
-                after=after, seed=rng.getrandbits(32),
-            ).items()
-        }
-    return timings
+            _LT_CHOICE[key] = autotune(lt, problem, time_index)
+        record = _LT_CHOICE[key]
+    if (torch_run := torch_gemm(problem, stream)) is not None:
+        run["torch.matmul"] = torch_run
+    return run, record
 
 
-def _kernel_job(job: dict[str, Any], environment: dict[str, Any]) -> dict[str, Any]:
+def _kernel_job(job: dict[str, Any], environment: dict[str, Any], timer) -> dict[str, Any]:
     import cupy
 
-    from .verify import Kernel, Numerics, Operands, Rejected, physical_floor_us, seed_from_os, verify
+    from .baselines import cublas_gemm
+    from .measure import time_contestants
+    from .verify import Kernel, Rejected, physical_floor_us, seed_from_os, verify
 
     problem = Problem(**job["problem"])
     rng = random.Random(seed_from_os())
     stream = cupy.cuda.Stream(non_blocking=True)
     kernel = Kernel(job["library"])
-    gemm = cublas_gemm(problem, stream)
     with stream:
-        verdict = verify(kernel, problem, stream, gemm, rng)
+        verdict = verify(kernel, problem, stream, cublas_gemm(problem, stream), rng)
         result = {"status": verdict.status, "error": verdict.reason,
                   "max_error": verdict.max_error, "tolerance": verdict.tolerance}
         if verdict.status != "ok":
             return result
-        num = Numerics(problem.dtype)
-        ops = Operands(problem, kernel.workspace_bytes(problem.m, problem.n, problem.k), num)
-        ops.fill("normal", rng)
-        ref = ops.reference()
-        out = cupy.empty_like(ops.c)
-        launches = {"kernel": lambda: ops.call(kernel, stream), "cuBLAS": lambda: gemm(ops.a, ops.b, out)}
+        if job["settings"].get("protocol") in STUDY_PROTOCOLS:
+            return {**result, **_study_job(job, environment, stream, rng, kernel)}
+        run, record = _baselines(problem, job, stream, timer, rng)
+        workspace = cupy.empty(max(1, kernel.workspace_bytes(problem.m, problem.n, problem.k)), cupy.uint8)
+        run = {"kernel": _abi_call(kernel, workspace, problem, stream, "kernel"), **run}
+        tolerance = {name: 2 * UNIT_ROUNDOFF[problem.dtype] for name in run} | {"kernel": verdict.tolerance}
         try:
-            timings = _bench_all(launches, {"kernel": ops.c, "cuBLAS": out}, ref, job, environment, stream, num, rng)
+            timings = time_contestants(run, problem, stream=stream, timer=timer, environment=environment,
+                                       settings=job["settings"], rng=rng, tolerance=tolerance)
         except Rejected as r:
             return {**result, "status": r.status, "error": str(r)}
-    for mode, entries in timings.items():
-        floor = physical_floor_us(problem, environment, cold_l2=mode == "server")
+    for method, entries in timings.items():
+        floor = physical_floor_us(problem, environment, cold_l2=method == "server")
         if entries["kernel"]["median_us"] < 0.9 * floor:
             return {**result, "status": "cheat", "error": (
-                f"{mode} time {entries['kernel']['median_us']:.2f} us is below the physical limit "
+                f"{method} time {entries['kernel']['median_us']:.2f} us is below the physical limit "
                 f"{floor:.2f} us of this GPU")}
-    return {**result, "timings": timings}
+    return {**result, "timings": timings, "cublaslt": record}
 
 
-def _baselines_job(job: dict[str, Any], environment: dict[str, Any]) -> dict[str, Any]:
+def _baselines_job(job: dict[str, Any], environment: dict[str, Any], timer) -> dict[str, Any]:
     import cupy
 
-    from .verify import Numerics, Operands, compare, seed_from_os
+    from .measure import time_contestants
+    from .verify import Numerics, Operands, Rejected, compare, seed_from_os
 
     problem = Problem(**job["problem"])
     rng = random.Random(seed_from_os())
     stream = cupy.cuda.Stream(non_blocking=True)
     num = Numerics(problem.dtype)
-    runners = {"cuBLAS": cublas_gemm(problem, stream), "torch.matmul": torch_gemm(problem, stream)}
-    runners = {name: run for name, run in runners.items() if run is not None}
     with stream:
+        if job["settings"].get("protocol") in STUDY_PROTOCOLS:
+            return {"status": "ok", **_study_job(job, environment, stream, rng, None)}
+        run, record = _baselines(problem, job, stream, timer, rng)
         ops = Operands(problem, 0, num)
         ops.fill("normal", rng)
         ref = ops.reference()
-        outs = {name: cupy.empty_like(ops.c) for name in runners}
         errors = {}
-        for name, run in runners.items():
-            run(ops.a, ops.b, outs[name])
-            errors[name] = compare(outs[name], ref, num)[:2]
-        launches = {name: (lambda run=run, out=outs[name]: run(ops.a, ops.b, out)) for name, run in runners.items()}
-        timings = _bench_all(launches, outs, ref, job, environment, stream, num, rng)
-    return {"status": "ok", "errors": errors, "timings": timings}
+        for name, call in run.items():  # each baseline against the fp32 reference once
+            out = cupy.empty_like(ops.c)
+            poison_output(out)
+            call(ops.a, ops.b, out)
+            errors[name] = compare(out, ref, num)[:2]
+        tolerance = {name: 2 * UNIT_ROUNDOFF[problem.dtype] for name in run}
+        try:
+            timings = time_contestants(run, problem, stream=stream, timer=timer, environment=environment,
+                                       settings=job["settings"], rng=rng, tolerance=tolerance, suspect="")
+        except Rejected as r:
+            raise RuntimeError(f"a baseline failed its output check: {r}") from None
+    return {"status": "ok", "errors": errors, "timings": timings, "cublaslt": record}
+
+
+def _study_job(job, environment, stream, rng, kernel) -> dict[str, Any]:
+    """The earlier offline protocols (fenced, back-to-back), for study: the kernel (if any),
+    cuBLAS and torch.matmul timed by CUDA events around batches, as they were measured."""
+    import cupy
+
+    from .baselines import cublas_gemm, torch_gemm
+    from .bench import bench_fenced
+    from .verify import Numerics, Operands, Rejected, compare
+
+    problem = Problem(**job["problem"])
+    settings = job["settings"]
+    num = Numerics(problem.dtype)
+    ops = Operands(problem, kernel.workspace_bytes(problem.m, problem.n, problem.k) if kernel else 0, num)
+    ops.fill("normal", rng)
+    ref = ops.reference()
+    runners = {"cuBLAS": cublas_gemm(problem, stream), "torch.matmul": torch_gemm(problem, stream)}
+    outs = {name: cupy.empty_like(ops.c) for name, run in runners.items() if run is not None}
+    launches = {name: (lambda run=runners[name], out=out: run(ops.a, ops.b, out)) for name, out in outs.items()}
+    if kernel is not None:
+        launches = {"kernel": lambda: ops.call(kernel, stream), **launches}
+        outs["kernel"] = ops.c
+    errors = {}
+    for name, launch in launches.items():
+        launch()
+        errors[name] = compare(outs[name], ref, num)[:2]
+    l2 = cupy.empty(2 * environment["l2_bytes"], dtype=cupy.uint8)
+
+    def after(name: str) -> None:
+        if compare(outs[name], ref, num)[2]:
+            raise Rejected("cheat" if name == "kernel" else "wrong", f"output of timed calls of {name} differs")
+
+    timings = {}
+    modes = ["offline", "server"] if settings.get("mode") == "both" else [settings.get("mode", "offline")]
+    try:
+        for mode in modes:
+            timings[mode] = {name: asdict(t) for name, t in bench_fenced(
+                launches, stream=stream, mode=mode, budget_s=settings.get("budget_s", 1.0),
+                qps=settings.get("qps", 200.0), flush=lambda: l2.fill(0),
+                before=lambda name: poison_output(outs[name]), after=after, seed=rng.getrandbits(32),
+                fenced=settings["protocol"] == "fenced").items()}
+    except Rejected as r:
+        return {"status": r.status, "error": str(r)}
+    return {"errors": {k: v for k, v in errors.items() if k != "kernel"}, "timings": timings}

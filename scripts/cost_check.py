@@ -19,7 +19,7 @@ from cudal2_cli.render import get_template
 
 results = Path(sys.argv[1] if len(sys.argv) > 1 else "results")
 gpu = sys.argv[2] if len(sys.argv) > 2 else "NVIDIA H200"
-df = Leaderboard(results).read()
+df = Leaderboard(results).read(bench=None)
 ok = df[(df["status"] == "ok") & (df["gpu"] == gpu)]
 device = recorded_device(df, gpu)
 top1, top3, rhos = [], [], []

@@ -3,6 +3,8 @@
 #   scripts/gpu_session.sh tests   -> pytest -m gpu
 #   scripts/gpu_session.sh bench   -> cudal2 bench at 4096^3 and 8192^3 (defaults, cuBLAS, torch)
 #   scripts/gpu_session.sh devset  -> cudal2 bench on every row of shapes/dev.csv (DEVSET=path)
+#   scripts/gpu_session.sh devset-remeasure -> every dev row's best kernels (TOP per protocol) measured by
+#     this version's protocol, then scripts/remeasure.py (an independent check) on the same rows
 #   scripts/gpu_session.sh sweep   -> a grid of sm80_mma configurations at 4096^3
 #   scripts/gpu_session.sh sweep-occupancy -> 128x128 tiles at two blocks per SM
 #   scripts/gpu_session.sh ceiling -> what mma.sync can reach here: benchmarks/mma_sync_peak.cu, then
@@ -49,6 +51,15 @@ for stage in "$@"; do
         cudal2 bench --m "$m" --n "$n" --k "$k" --dtype "$dtype" --layout "$layout" --budget 0.3 \
           --results "$results" --json | oneline
       done 2>&1 | tee "$out/devset.jsonl" ;;
+    devset-remeasure)  # the leaderboard's TOP (1) best kernels of every dev row under each protocol, measured
+      # by this protocol (cudal2 bench --top), then the independent check (scripts/remeasure.py)
+      tail -n +2 "${DEVSET:-../shared/shapes/dev.csv}" | sed -n "${DEVSET_ROWS:-p}" \
+        | while IFS=, read -r m n k dtype layout group; do
+        cudal2 bench --m "$m" --n "$n" --k "$k" --dtype "$dtype" --layout "$layout" --top "${TOP:-1}" \
+          --budget "${BUDGET:-0.3}" --results "$results" --json | oneline
+      done 2>&1 | tee "$out/devset-remeasure.jsonl"
+      python3 scripts/remeasure.py "${DEVSET:-../shared/shapes/dev.csv}" "$results" --out "$out/remeasure.json" \
+        2>"$out/remeasure.log" | tee "$out/remeasure.md" ;;
     devset-grids)  # m n k dtype layout template grid...; one JSON document per line
       grep -v '^#' "${GRIDS:-scripts/devset_grids.txt}" | while read -r m n k dtype layout template grid; do
         cudal2 bench --m "$m" --n "$n" --k "$k" --dtype "$dtype" --layout "$layout" --budget "${BUDGET:-0.2}" \

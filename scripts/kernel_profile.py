@@ -44,7 +44,7 @@ from cudal2_cli.environment import default_arch
 from cudal2_cli.problem import Problem
 from cudal2_cli.render import render, template_candidate
 from cudal2_cli.verify import Kernel, Numerics, Operands
-from cudal2_cli.worker import cublas_gemm, torch_gemm
+from cudal2_cli.baselines import cublas_gemm, torch_gemm
 
 FENCE_NAME = "cudal2_fence"
 FENCE = cupy.RawKernel(FENCE_SOURCE, FENCE_NAME)

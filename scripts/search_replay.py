@@ -112,7 +112,7 @@ def replay_sampler(times: dict, seed: int, sampler: str) -> int:
 def main() -> None:
     results, m, n, k = Path(sys.argv[1]), *map(int, sys.argv[2:5])
     problem = Problem(m, n, k, *(sys.argv[5:7] or ["fp16", "nn"]))
-    df = Leaderboard(results).read()
+    df = Leaderboard(results).read(bench=None)
     times, gpu = measured_grid(df, problem)
     if not times:
         sys.exit(f"no measured configurations of {problem} in {results}")

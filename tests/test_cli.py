@@ -147,7 +147,8 @@ def test_leaderboard_exports_the_best_kernels_as_self_contained_files(tmp_path):
     assert result.exit_code == 0 and "exported 1 kernel(s)" in result.stderr
     assert result.stdout.splitlines()[1].startswith("NVIDIA H200,4096,4096,4096,fp16,nn,fast.cu")
     text = (tmp_path / "best" / "NVIDIA_H200" / "fp16_nn" / "4096_4096_4096.cu").read_text()
-    assert "speedup 1.200x over cuBLAS (180.00 us -> 150.00 us" in text and text.endswith(source)
+    assert "speedup 1.200x over the fastest library call, cuBLASLt (180.00 us -> 150.00 us" in text
+    assert text.endswith(source)
     one_line_error(run("leaderboard", "--results", tmp_path, "--export", "--status", "ok"), "does not combine")
 
 
@@ -159,14 +160,19 @@ def test_leaderboard_filters_top_and_status(results):
     assert "no results match" in run("leaderboard", "--results", results, "--gpu", "A100").output
 
 
-def test_leaderboard_shows_and_filters_how_rows_were_timed(tmp_path):
+def test_leaderboard_shows_one_protocol_and_never_mixes_them(tmp_path):
     lb = Leaderboard(tmp_path)
     lb.append([row("before", 1.4, bench="back-to-back"), row("fenced", 1.1, bench="fenced"),
-               row("only before", 1.2, m=64, bench="back-to-back")])
-    # Fenced rows supersede back-to-back ones of the same problem; a problem not measured
-    # fenced yet still shows its back-to-back best, marked as such.
+               row("only before", 1.2, m=64, bench="back-to-back"), row("now", 1.01)])
+    # The protocol's rows alone by default: a problem measured only by an earlier protocol
+    # is not shown, and its flattering number never stands beside the protocol's.
     shown = json.loads(run("leaderboard", "--results", tmp_path, "--format", "json").output)
-    assert [(r["kernel"], r["bench"]) for r in shown] == [("only before", "back-to-back"), ("fenced", "fenced")]
+    assert [(r["kernel"], r["bench"]) for r in shown] == [("now", "cupti-graph")]
     before = json.loads(run("leaderboard", "--results", tmp_path, "--bench", "back-to-back", "--format", "json").output)
     assert [r["kernel"] for r in before] == ["only before", "before"]
+    shapes = tmp_path / "shapes.csv"
+    shapes.write_text("m,n,k,dtype,layout\n64,4096,4096,fp16,nn\n4096,4096,4096,fp16,nn\n")
+    report = json.loads(run("leaderboard", "--results", tmp_path, "--shapes", shapes, "--format", "json").output)
+    assert [r["kernel"] for r in report["rows"]] == ["(none measured)", "now"]
+    assert report["summary"]["geomean_speedup"] == pytest.approx(1.01)
     one_line_error(run("leaderboard", "--results", tmp_path, "--bench", "warm"), "unknown --bench 'warm'")

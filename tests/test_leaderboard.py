@@ -5,14 +5,16 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
+from cudal2_cli.bench import PROTOCOL
 from cudal2_cli.errors import Cudal2Error
-from cudal2_cli.leaderboard import Leaderboard, best
+from cudal2_cli.leaderboard import COLUMNS, SCHEMA, Leaderboard, best
 
 
 def row(kernel, speedup, status="ok", m=4096, source_hash=None, **extra):
     return {"run_id": "r1", "gpu": "NVIDIA H200", "m": m, "n": 4096, "k": 4096, "dtype": "fp16",
             "layout": "nn", "kernel": kernel, "status": status, "speedup_offline": speedup,
-            "offline_us": 180.0 / speedup if speedup else None, "source_hash": source_hash or kernel, **extra}
+            "offline_us": 180.0 / speedup if speedup else None, "baseline_offline_us": 180.0,
+            "baseline": "cuBLASLt", "source_hash": source_hash or kernel, "bench": PROTOCOL, **extra}
 
 
 def test_parts_are_plain_parquet_readable_by_pandas(tmp_path):
@@ -65,27 +67,6 @@ def test_sources_are_stored_by_content_hash(tmp_path):
     assert os.listdir(tmp_path / "sources") == [f"{digest}.cu"]
 
 
-def test_reference_check_reports_both_cublas_references(tmp_path):
-    """scripts/reference_check.py: the best kernel per shape against cuBLAS timed beside it
-    (the recorded speedup) and against the baselines job's cuBLAS of the same run."""
-    import subprocess
-    import sys
-
-    from conftest import ROOT
-
-    lb = Leaderboard(tmp_path / "results")
-    # cuBLAS 10 us in the baselines job, 11 us beside the kernel (10.5 us): 1.048x recorded, 0.952x apart.
-    lb.append([row("cuBLAS", 1.0, offline_us=10.0, template=None),
-               row("k", 11.0 / 10.5, offline_us=10.5, cublas_offline_us=11.0, template="sm90_cutlass")])
-    shapes = tmp_path / "shapes.csv"
-    shapes.write_text("m,n,k,dtype,layout,group\n4096,4096,4096,fp16,nn,square\n")
-    out = subprocess.run([sys.executable, str(ROOT / "scripts" / "reference_check.py"), str(shapes),
-                          str(tmp_path / "results")], capture_output=True, text=True, check=True,
-                         env={**os.environ, "PYTHONPATH": str(ROOT)}).stdout
-    assert "4096x4096x4096 fp16 nn: beside the kernel 1.048, baselines job 0.952" in out
-    assert "1 rows: geometric mean 1.048 (minimum 1.048)" in out and "0.952 (minimum 0.952)" in out
-
-
 def test_parts_from_before_the_bench_column_read_as_back_to_back(tmp_path):
     """Offline times taken before the fence (cudal2_cli/bench.py) stay marked as such: their
     speedups are not comparable with fenced ones for kernels that launch early."""
@@ -94,5 +75,40 @@ def test_parts_from_before_the_bench_column_read_as_back_to_back(tmp_path):
     old = lb.append([row("old", 0.9)])
     pq.write_table(pq.read_table(old).drop_columns(["bench"]), old)  # as parts were written before
     assert "bench" not in pq.read_table(old).column_names
-    df = lb.read().set_index("kernel")
+    df = lb.read(bench=None).set_index("kernel")
     assert df.loc["new", "bench"] == "fenced" and df.loc["old", "bench"] == "back-to-back"
+
+
+def write_old_part(lb, rows, columns):
+    """A part as an earlier version wrote it: only `columns` of today's schema."""
+    table = pa.Table.from_pylist([{c: r.get(c) for c in columns} for r in rows],
+                                 schema=pa.schema([SCHEMA.field(c) for c in columns]))
+    lb.parts.mkdir(parents=True, exist_ok=True)
+    pq.write_table(table, lb.parts / f"part-old-{len(list(lb.parts.iterdir()))}.parquet")
+
+
+def test_old_parts_migrate_into_one_part_of_the_current_schema(tmp_path):
+    """Parts of earlier versions (without the protocol's columns, one without even `bench`)
+    become one part with today's schema: pandas, pyarrow and polars-style readers of the
+    directory see every row with every column."""
+    lb = Leaderboard(tmp_path)
+    before_bench = COLUMNS[:COLUMNS.index("bench")]
+    write_old_part(lb, [row("ancient", 0.9)], before_bench)
+    write_old_part(lb, [row("fenced", 1.1, bench="fenced")], before_bench + ["bench"])
+    lb.append([row("new", 1.05, kernel_us=171.0, graph_us=172.0)])
+    assert lb.migrate() == (3, 3)
+    [part] = lb.parts.glob("*.parquet")
+    assert pq.read_schema(part).names == COLUMNS
+    direct = pd.read_parquet(lb.parts).set_index("kernel")
+    assert direct.loc["ancient", "bench"] == "back-to-back" and direct.loc["fenced", "bench"] == "fenced"
+    assert direct.loc["new", "graph_us"] == 172.0 and pd.isna(direct.loc["fenced", "graph_us"])
+    assert list(lb.read()["kernel"]) == ["new"]  # the protocol's rows only, unless asked
+    assert lb.migrate() == (1, 3)  # idempotent
+
+
+def test_rows_of_earlier_protocols_are_never_ranked_with_the_protocols(tmp_path):
+    lb = Leaderboard(tmp_path)
+    lb.append([row("fenced 2x", 2.0, bench="fenced"), row("honest", 1.02)])
+    assert list(best(lb.read())["kernel"]) == ["honest"]
+    both = best(lb.read(bench=None))
+    assert sorted(zip(both["bench"], both["kernel"])) == [("cupti-graph", "honest"), ("fenced", "fenced 2x")]

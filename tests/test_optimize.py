@@ -11,10 +11,11 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
+from cudal2_cli.bench import PROTOCOL
 from cudal2_cli.candidate import Candidate, Invalid
 from cudal2_cli.cli import app
 from cudal2_cli.config import Settings
-from cudal2_cli.leaderboard import Leaderboard
+from cudal2_cli.leaderboard import BASELINES, Leaderboard
 from cudal2_cli.optimize import Budget, optimize
 from cudal2_cli.pipeline import Context
 from cudal2_cli.problem import Problem
@@ -31,9 +32,16 @@ def timing(us: float) -> dict:
     return {"median_us": us, "p20_us": us * 0.99, "p80_us": us * 1.01, "samples": 10}
 
 
+def both_methods(**us: float) -> dict:
+    """The protocol's timings of contestant -> us: kernel method as given, graph 2% slower."""
+    return {"kernel": {name: timing(t) for name, t in us.items()},
+            "graph": {name: timing(t * 1.02) for name, t in us.items()}}
+
+
 class StandInWorker:
-    """Answers the worker's requests on the CPU: cuBLAS takes 100 us, a kernel's time
-    follows from its library's bytes (stable per binary), or from `times` in call order."""
+    """Answers the worker's requests on the CPU: cuBLAS takes 100 us, cuBLASLt autotuned 95,
+    a kernel's time follows from its library's bytes (stable per binary), or from `times`
+    in call order."""
 
     environment = H200
 
@@ -45,21 +53,27 @@ class StandInWorker:
         return self.environment
 
     def request(self, job, timeout):
+        assert job["cublaslt"] == STAND_IN_LT and job["settings"]["protocol"] == PROTOCOL
         if job["op"] == "baselines":
-            return {"status": "ok", "errors": {"cuBLAS": (1e-4, 1e-3)}, "timings": {"offline": {"cuBLAS": timing(100.0)}}}
+            return {"status": "ok", "errors": {"cuBLAS": (1e-4, 1e-3), "cuBLASLt": (1e-4, 1e-3)},
+                    "timings": both_methods(cuBLAS=100.0, cuBLASLt=95.0), "cublaslt": {"index": 3, "of": 8}}
         self.kernels.append(job["library"])
         digest = hashlib.sha256(Path(job["library"]).read_bytes()).hexdigest()
         us = self.times.pop(0) if self.times else 50.0 + int(digest[:4], 16) % 100
         return {"status": "ok", "max_error": 1e-4, "tolerance": 1e-3,
-                "timings": {"offline": {"kernel": timing(us), "cuBLAS": timing(100.0)}}}
+                "timings": both_methods(kernel=us, cuBLAS=100.0, cuBLASLt=95.0)}
 
     def close(self):
         pass
 
 
+STAND_IN_LT = "(the cuBLASLt baseline's library)"
+
+
 def context(tmp_path, compiler, worker, problem=Problem(256, 256, 256)) -> Context:
     settings = Settings(results=tmp_path / "results")
-    return Context(problem, settings, worker, compiler, Leaderboard(settings.results), "run-1", proposer="search")
+    return Context(problem, settings, worker, compiler, Leaderboard(settings.results), "run-1", proposer="search",
+                   cublaslt=STAND_IN_LT)
 
 
 def sm80_search(seed=0):
@@ -69,17 +83,21 @@ def sm80_search(seed=0):
 def test_loop_measures_batches_records_rows_and_exports_the_best(tmp_path, compiler):
     ctx = context(tmp_path, compiler, StandInWorker())
     out = optimize(ctx, sm80_search(), Budget(iterations=2, batch=2, patience=None))
-    kernels = [r for r in out.rows if r["kernel"] != "cuBLAS"]
+    kernels = [r for r in out.rows if r["kernel"] not in ("cuBLAS", "cuBLASLt")]
     assert len(kernels) == 4 and all(r["status"] == "ok" for r in kernels)
-    assert out.baseline_us == 100.0 and out.stopped == "iterations done"
+    # the fastest library call is the baseline, and the claim is the lower of the two methods
+    assert (out.baseline, out.baseline_us) == ("cuBLASLt", 95.0) and out.stopped == "iterations done"
+    assert all(r["speedup_offline"] == pytest.approx(95.0 * 1.02 / r["graph_us"]) for r in kernels)
+    assert all(r["speedup_vs_cublas"] == pytest.approx(100.0 / r["kernel_us"]) for r in kernels)
     assert out.best["speedup_offline"] == max(r["speedup_offline"] for r in kernels)
     exported = out.exported.read_text()
     assert out.exported == tmp_path / "results/best/NVIDIA_H200/fp16_nn/256_256_256.cu"
     assert f"speedup {out.best['speedup_offline']:.3f}x" in exported and "template sm80_mma" in exported
     assert 'extern "C" int cudal2_gemm(' in exported
     recorded = ctx.leaderboard.read()
-    assert len(recorded) == 5  # every row recorded as measured
-    assert set(recorded["bench"]) == {"fenced"}  # and how it was timed
+    assert len(recorded) == 6  # every row recorded as measured
+    assert set(recorded["bench"]) == {PROTOCOL}  # and how it was timed
+    assert len(list(ctx.leaderboard.parts.glob("*.parquet"))) == 3  # one part per batch (and the baselines)
     assert out.compile_s > 0 and out.wall_s >= out.gpu_s
 
 
@@ -186,7 +204,7 @@ def test_search_stays_within_a_given_grid(tmp_path, compiler):
     grid = template_grid("sm80_mma", {"block_m": ["64", "128"], "stages": ["3", "4"]}, 90)
     search = SearchProposer(H200, within=grid)
     out = optimize(context(tmp_path, compiler, StandInWorker()), search, Budget(iterations=5, batch=3, patience=None))
-    measured = {r["kernel"] for r in out.rows if r["kernel"] != "cuBLAS"}
+    measured = {r["kernel"] for r in out.rows if r["kernel"] not in BASELINES}
     assert measured == {str(c) for c in grid}  # all four, nothing outside, then nothing new
     assert out.stopped == "the proposer has nothing new"
 
@@ -243,7 +261,7 @@ def test_patience_stops_a_run_that_no_longer_improves(tmp_path, compiler):
 
 def test_time_budget_is_honoured(tmp_path, compiler):
     out = optimize(context(tmp_path, compiler, StandInWorker()), sm80_search(), Budget(iterations=5, batch=2, time_s=0.0))
-    assert out.stopped.startswith("time budget spent") and not [r for r in out.rows if r["kernel"] != "cuBLAS"]
+    assert out.stopped.startswith("time budget spent") and not [r for r in out.rows if r["kernel"] not in BASELINES]
 
 
 def test_time_budget_does_not_wait_for_a_slow_compile(tmp_path):
@@ -330,7 +348,7 @@ def test_llm_proposals_from_a_loopback_endpoint_run_through_the_loop(tmp_path, c
     ctx = context(tmp_path, compiler, StandInWorker())
     llm = LLMProposer(LLMSettings(base_url=endpoint.url, max_retries=0), run_dir=tmp_path / "run", cc=90, device=H200)
     out = optimize(ctx, llm, Budget(iterations=2, batch=2))
-    statuses = sorted(r["status"] for r in out.rows if r["kernel"] != "cuBLAS")
+    statuses = sorted(r["status"] for r in out.rows if r["kernel"] not in BASELINES)
     assert statuses == ["invalid", "ok"]
     assert "unknown template 'nope'" in next(r["error"] for r in out.rows if r["status"] == "invalid")
     assert "100.0" in endpoint.prompt(0)  # the cuBLAS baseline reached the model
@@ -350,7 +368,7 @@ def test_progress_is_plain_lines_in_logs_and_live_on_a_terminal(tmp_path, compil
     with cli.progress_display(False, 2) as on_event:  # captured output is not a terminal
         optimize(context(tmp_path, compiler, StandInWorker()), sm80_search(), Budget(iterations=1, batch=2), on_event=on_event)
     lines = capsys.readouterr().out.splitlines()
-    assert lines[0] == "cuBLAS baseline: 100.00 us" and lines[1].startswith("batch 1: 2 to measure")
+    assert lines[0] == "fastest baseline: cuBLASLt 95.00 us" and lines[1].startswith("batch 1: 2 to measure")
     assert sum(line.strip().startswith("ok") for line in lines) == 2
 
     screen = io.StringIO()

@@ -1,0 +1,173 @@
+"""Baselines: the library calls a PyTorch user already has, measured exactly like a candidate.
+
+- `cuBLAS`: cublasGemmEx with its default algorithm (CuPy's handle), fp32 compute;
+- `cuBLASLt`: autotuned per problem: the heuristic's top algorithms (up to 32, with a 32 MiB
+  workspace) are each timed by the bench's kernel method and the fastest is kept and
+  recorded (its configuration goes in the row's `cublaslt_algo`);
+- `torch.matmul`: torch.mm on the same buffers and stream (what F.linear runs for nt, the
+  weight transposed), when torch is importable; only its device work is timed.
+
+cuBLASLt is called through a shim (cublaslt.cu) compiled once with nvcc that implements the
+kernel ABI, so the bench calls it, captures it in a graph and checks its output through the
+very path a candidate takes. nvmath-python's `Matmul` plans and autotunes cuBLASLt too, but
+allocates each call's result and binds its operands at construction, so it could not be
+timed through that path; nor is it on the device image this project measures on.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import importlib.util
+import json
+from pathlib import Path
+from typing import Any
+
+from .compile import Compiler, find_nvcc
+from .errors import Cudal2Error
+from .problem import Problem
+
+NAMES = ("cuBLAS", "cuBLASLt", "torch.matmul")
+# Leaderboard column prefix of each baseline (cublas_kernel_us, cublaslt_graph_us, ...).
+COLUMN = {"cuBLAS": "cublas", "cuBLASLt": "cublaslt", "torch.matmul": "torch"}
+LT_ALGOS = 32  # heuristic results timed by the autotuning
+LT_FIELDS = ("algo", "tile", "stages", "splitk", "reduction", "swizzle", "custom", "cluster")
+
+CUDA_R_16F, CUDA_R_16BF = 2, 14
+CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT = 68, -1
+
+
+# ------------------------------------------------------------------ built on the host
+
+def cublaslt_source(problem: Problem) -> str:
+    """The shim's source for the problem's dtype and layout."""
+    shim = (Path(__file__).parent / "cublaslt.cu").read_text()
+    dtype = "CUDA_R_16F" if problem.dtype == "fp16" else "CUDA_R_16BF"
+    return f"#define CUDAL2_LT_TYPE {dtype}\n#define CUDAL2_LT_NT {int(problem.layout == 'nt')}\n{shim}"
+
+
+def cublas_location() -> tuple[Path, Path, str] | None:
+    """(include dir, library dir, library file) of cuBLASLt: the CUDA toolkit beside nvcc,
+    else the nvidia-cublas wheel's (nvidia/cu13 or nvidia/cublas); None if neither has it."""
+    places = []
+    try:
+        toolkit = Path(find_nvcc()).resolve().parent.parent
+        places += [(toolkit / "include", toolkit / d) for d in ("lib64", "lib", "targets/x86_64-linux/lib")]
+    except Cudal2Error:
+        pass
+    spec = importlib.util.find_spec("nvidia")
+    for root in (spec.submodule_search_locations or []) if spec else []:
+        places += [(Path(root) / d / "include", Path(root) / d / "lib") for d in ("cu13", "cu12", "cublas")]
+    for include, lib in places:
+        if (include / "cublasLt.h").is_file() and lib.is_dir():
+            found = sorted(p.name for p in lib.glob("libcublasLt.so*"))
+            if found:
+                return include, lib, found[0]
+    return None
+
+
+def build_cublaslt(compiler: Compiler, problem: Problem) -> Path:
+    """The shim's library for this dtype and layout (compiled once, then cached)."""
+    where = cublas_location()
+    if where is None:
+        raise Cudal2Error("cuBLASLt headers not found (needed for the cuBLASLt baseline): install the CUDA "
+                          "toolkit's cuBLAS or the nvidia-cublas wheel")
+    include, lib, name = where
+    link = (f"-I{include}", f"-L{lib}", f"-l:{name}", "-Xlinker", f"-rpath,{lib}")
+    build = compiler.compile(cublaslt_source(problem), link=link)
+    if build.status != "ok":
+        raise Cudal2Error(f"the cuBLASLt baseline does not compile: {build.log.strip().splitlines()[-1:]}")
+    return build.library
+
+
+# ---------------------------------------------------------- called in the GPU worker
+
+def cublas_gemm(problem: Problem, stream):
+    """C = A @ B (or A @ W^T) through cublasGemmEx with fp32 compute: the cuBLAS baseline.
+
+    The returned function takes the shape from its arrays (A is M x K, C is M x N). cuBLAS
+    is column-major; a row-major C[M,N] is C^T in its eyes, so it computes C^T = B^T A^T:
+    (N x K)(K x M), with W's transpose taking op T.
+    """
+    import numpy as np
+    from cupy_backends.cuda.libs import cublas
+
+    import cupy
+
+    handle = cupy.cuda.device.get_cublas_handle()
+    dtype = CUDA_R_16F if problem.dtype == "fp16" else CUDA_R_16BF
+    alpha, beta = np.ones(1, np.float32), np.zeros(1, np.float32)
+    transposed = problem.layout == "nt"
+
+    def run(a, b, c) -> None:
+        (m, k), n = a.shape, c.shape[1]
+        op_b, ldb = (cublas.CUBLAS_OP_T, k) if transposed else (cublas.CUBLAS_OP_N, n)
+        cublas.setStream(handle, stream.ptr)
+        cublas.gemmEx(handle, op_b, cublas.CUBLAS_OP_N, n, m, k, alpha.ctypes.data,
+                      b.data.ptr, dtype, ldb, a.data.ptr, dtype, k, beta.ctypes.data,
+                      c.data.ptr, dtype, n, CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT)
+
+    return run
+
+
+def torch_gemm(problem: Problem, stream):
+    """torch.mm with its default settings on the same buffers and stream, or None."""
+    try:
+        import torch
+    except ImportError:
+        return None
+    ext = torch.cuda.ExternalStream(stream.ptr)
+
+    def as_torch(x):
+        if problem.dtype == "fp16":
+            return torch.from_dlpack(x)
+        return torch.from_dlpack(x.view("int16")).view(torch.bfloat16)
+
+    def run(a, b, c) -> None:
+        ta, tb, tc = as_torch(a), as_torch(b), as_torch(c)
+        with torch.cuda.stream(ext):
+            torch.mm(ta, tb if problem.layout == "nn" else tb.t(), out=tc)
+
+    return run
+
+
+class CublasLt:
+    """The shim library, loaded with ctypes: the heuristic's algorithms, one selected."""
+
+    def __init__(self, path: str):
+        from .verify import Kernel
+
+        self.kernel = Kernel(path)
+        lib = self.kernel.lib
+        lib.cudal2_lt_heuristics.argtypes = [ctypes.c_int] * 4
+        lib.cudal2_lt_select.argtypes = [ctypes.c_int]
+        lib.cudal2_lt_describe.argtypes = [ctypes.c_int, ctypes.POINTER(ctypes.c_int)]
+        self.lib = lib
+
+    def algorithms(self, problem: Problem, requested: int = LT_ALGOS) -> int:
+        count = self.lib.cudal2_lt_heuristics(problem.m, problem.n, problem.k, requested)
+        if count <= 0:
+            raise RuntimeError(f"cuBLASLt has no algorithm for {problem} (heuristic returned {count})")
+        return count
+
+    def select(self, index: int) -> None:
+        if self.lib.cudal2_lt_select(index) != 0:
+            raise RuntimeError(f"no cuBLASLt algorithm {index}")
+
+    def describe(self, index: int) -> dict[str, int]:
+        out = (ctypes.c_int * len(LT_FIELDS))()
+        self.lib.cudal2_lt_describe(index, out)
+        return dict(zip(LT_FIELDS, out))
+
+
+def autotune(lt: CublasLt, problem: Problem, time_index) -> dict[str, Any]:
+    """Times every algorithm the heuristic offers (`time_index(i)`: median device us with
+    algorithm i selected) and selects the fastest; returns its record."""
+    times = {i: time_index(i) for i in range(lt.algorithms(problem))}
+    fastest = min(times, key=times.get)
+    lt.select(fastest)
+    return {"index": fastest, "of": len(times), "us": round(times[fastest], 3),
+            "heuristic_first_us": round(times[0], 3), **lt.describe(fastest)}
+
+
+def algo_json(record: dict[str, Any] | None) -> str | None:
+    return json.dumps(record, sort_keys=True) if record else None

@@ -1,0 +1,143 @@
+"""The bench protocol's round logic with the GPU stood in for: rotation of the input sets,
+each call timed alone, outputs checked, the lower of the two methods claimed."""
+
+import random
+
+import pytest
+
+from cudal2_cli.bench import INPUT_SETS, OFFLINE_METHODS, claimed, graph_rounds, kernel_rounds
+from cudal2_cli.measure import window_totals
+from cudal2_cli.pipeline import timing_columns
+
+
+class StandInTimer:
+    """Times each call as the stand-in device would: `device_us(name)` per call."""
+
+    def __init__(self, device_us):
+        self.device_us, self.pending, self.calls = device_us, [], []
+
+    def time(self, fn):
+        fn()
+        self.pending.append(self.device_us(self.calls[-1]))
+
+    def collect(self):
+        done, self.pending = self.pending, []
+        return done
+
+
+class StandInDevice:
+    """Input sets whose contents get a new version at every refresh; a memoising contestant
+    ('memo') is fast whenever it sees contents it has seen before."""
+
+    def __init__(self):
+        self.version = [0] * INPUT_SETS
+        self.seen = {}  # contestant -> set of (set, version) it was called on
+        self.log = []  # (event, name or None, set, version)
+        self.timer = StandInTimer(self.us)
+
+    def refresh(self, s):
+        self.version[s] += 1
+        self.log.append(("refresh", None, s, self.version[s]))
+
+    def call(self, name, s):
+        key = (s, self.version[s])
+        repeat = key in self.seen.setdefault(name, set())
+        self.seen[name].add(key)
+        self.timer.calls.append((name, repeat))
+        self.log.append(("call", name, s, self.version[s]))
+
+    def check(self, name, s):
+        self.log.append(("check", name, s, self.version[s]))
+
+    @staticmethod
+    def us(call):
+        name, repeat = call
+        return {"honest": 10.0, "baseline": 12.0, "memo": 2.0 if repeat else 10.5}[name]
+
+
+def test_every_timed_call_sees_fresh_inputs_at_rotating_addresses():
+    dev = StandInDevice()
+    samples = kernel_rounds(["honest", "baseline", "memo"], call=dev.call, refresh=dev.refresh, check=dev.check,
+                            timer=dev.timer, budget_s=0.0, rng=random.Random(1), min_rounds=9)
+    calls = [e for e in dev.log if e[0] == "call"]
+    assert len(calls) == 27
+    # No contestant is ever called twice on the same contents, so a memo never pays:
+    assert samples["memo"] == [10.5] * 9 and samples["honest"] == [10.0] * 9
+    # Rounds cycle through the sets (different addresses), each refreshed first...
+    refreshed = [e[2] for e in dev.log if e[0] == "refresh"]
+    assert refreshed == [0, 1, 2] * 3
+    # ...and every contestant's output of every round is checked after its call.
+    for r in range(9):
+        round_calls = {e[1]: e[2:] for e in calls[3 * r:3 * r + 3]}
+        assert set(round_calls) == {"honest", "baseline", "memo"} and len(set(round_calls.values())) == 1
+    checks = [(e[1], e[2:]) for e in dev.log if e[0] == "check"]
+    assert sorted(checks) == sorted((e[1], e[2:]) for e in calls)
+
+
+def test_contestants_run_in_a_shuffled_order_and_keep_their_own_samples():
+    dev = StandInDevice()
+    kernel_rounds(["honest", "baseline", "memo"], call=dev.call, refresh=dev.refresh, check=dev.check,
+                  timer=dev.timer, budget_s=0.0, rng=random.Random(3), min_rounds=12)
+    orders = {tuple(e[1] for e in dev.log[i:i + 7] if e[0] == "call") for i in range(0, len(dev.log), 7)}
+    assert len(orders) > 1  # not always the same contestant first (drift falls on all alike)
+
+
+def test_a_wrong_output_stops_the_rounds():
+    dev = StandInDevice()
+
+    def check(name, s):
+        if name == "memo":
+            raise ValueError("stale output")
+
+    with pytest.raises(ValueError, match="stale"):
+        kernel_rounds(["honest", "memo"], call=dev.call, refresh=dev.refresh, check=check, timer=dev.timer,
+                      budget_s=0.0, rng=random.Random(0))
+
+
+def test_graph_samples_are_the_calls_share_beyond_the_neighbours():
+    replays = {None: 500.0, "a": 500.0 + 20 * 7.5, "b": 500.0 + 20 * 9.0}
+    samples = graph_rounds(["a", "b"], replay=replays.__getitem__, calls=20, budget_s=0.0, rng=random.Random(0))
+    assert samples == {"a": [7.5] * 5, "b": [9.0] * 5}
+
+
+def test_cupti_records_are_summed_per_call_window_and_the_bench_own_work_ignored():
+    windows = [(100, 200), (300, 400)]
+    records = [(50, 90),            # a refill before the first call: not counted
+               (110, 140), (150, 180),  # the first call's two kernels
+               (250, 260),          # the check between calls
+               (310, 390)]          # the second call
+    assert window_totals(windows, records) == [0.06, 0.08]
+    assert window_totals([(0, 10)], []) == [0.0]  # a call that launched nothing reads 0
+
+
+def test_the_claim_is_the_lower_of_the_two_methods():
+    assert claimed({"kernel": 1.10, "graph": 0.97}) == ("graph", 0.97)
+    assert claimed({"kernel": 1.00, "graph": 1.00}) == ("kernel", 1.00)
+    assert claimed({"kernel": 1.2}) == ("kernel", 1.2) and claimed({}) is None
+    assert OFFLINE_METHODS == ("kernel", "graph")
+
+
+def timing(us):
+    return {"median_us": us, "p20_us": us, "p80_us": us, "samples": 5}
+
+
+def test_speedups_are_against_the_fastest_baseline_of_each_method():
+    timings = {
+        "kernel": {"kernel": timing(9.0), "cuBLAS": timing(10.0), "cuBLASLt": timing(9.5), "torch.matmul": timing(9.8)},
+        "graph": {"kernel": timing(10.0), "cuBLAS": timing(10.4), "cuBLASLt": timing(10.6), "torch.matmul": timing(10.2)},
+    }
+    row = timing_columns(timings, "kernel", flops=2 * 64**3)
+    assert row["speedup_kernel"] == pytest.approx(9.5 / 9.0)  # cuBLASLt fastest by CUPTI time
+    assert row["speedup_graph"] == pytest.approx(10.2 / 10.0)  # torch.matmul fastest in the graph
+    assert row["speedup_offline"] == pytest.approx(1.02) and row["baseline"] == "torch.matmul"
+    assert (row["offline_us"], row["baseline_offline_us"]) == (10.0, 10.2)
+    assert row["speedup_vs_cublas"] == pytest.approx(min(10.0 / 9.0, 10.4 / 10.0))
+    assert row["speedup_vs_cublaslt"] == pytest.approx(min(9.5 / 9.0, 10.6 / 10.0))
+    assert row["cublaslt_graph_us"] == 10.6 and row["torch_kernel_us"] == 9.8
+
+
+def test_a_study_protocol_row_keeps_cublas_as_its_baseline():
+    timings = {"offline": {"kernel": timing(8.0), "cuBLAS": timing(10.0), "torch.matmul": timing(9.0)}}
+    row = timing_columns(timings, "kernel", flops=1)
+    assert row["speedup_offline"] == pytest.approx(1.25) and row["baseline"] == "cuBLAS"
+    assert "torch_offline_us" not in row
