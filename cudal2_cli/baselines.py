@@ -1,15 +1,15 @@
 """Baselines: the library calls a PyTorch user already has, measured exactly like a candidate.
 
-- `cuBLAS`: cublasGemmEx with its default algorithm (CuPy's handle), fp32 compute;
+- `cuBLAS`: cublasGemmEx with its default algorithm, fp32 compute, a 32 MiB workspace;
 - `cuBLASLt`: autotuned per problem: the heuristic's top algorithms (up to 32, with a 32 MiB
   workspace) are each timed by the bench's kernel method and the fastest is kept and
   recorded (its configuration goes in the row's `cublaslt_algo`);
 - `torch.matmul`: torch.mm on the same buffers and stream (what F.linear runs for nt, the
   weight transposed), when torch is importable; only its device work is timed.
 
-cuBLASLt is called through a shim (cublaslt.cu) compiled once with nvcc that implements the
-kernel ABI, so the bench calls it, captures it in a graph and checks its output through the
-very path a candidate takes. nvmath-python's `Matmul` plans and autotunes cuBLASLt too, but
+Both are called through a shim (baselines.cu) compiled once with nvcc that implements the
+kernel ABI, so the bench calls them, captures them in a graph and checks their output through
+the very path a candidate takes (CuPy refuses cuBLAS calls during stream capture). nvmath-python's `Matmul` plans and autotunes cuBLASLt too, but
 allocates each call's result and binds its operands at construction, so it could not be
 timed through that path; nor is it on the device image this project measures on.
 """
@@ -38,16 +38,18 @@ CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT = 68, -1
 
 # ------------------------------------------------------------------ built on the host
 
-def cublaslt_source(problem: Problem) -> str:
-    """The shim's source for the problem's dtype and layout."""
-    shim = (Path(__file__).parent / "cublaslt.cu").read_text()
+def shim_source(problem: Problem, name: str) -> str:
+    """The shim's source of baseline `name` (cuBLAS or cuBLASLt) for the problem's dtype and layout."""
+    shim = (Path(__file__).parent / "baselines.cu").read_text()
     dtype = "CUDA_R_16F" if problem.dtype == "fp16" else "CUDA_R_16BF"
-    return f"#define CUDAL2_LT_TYPE {dtype}\n#define CUDAL2_LT_NT {int(problem.layout == 'nt')}\n{shim}"
+    return (f"#define CUDAL2_LT_TYPE {dtype}\n#define CUDAL2_LT_NT {int(problem.layout == 'nt')}\n"
+            f"#define CUDAL2_CUBLAS_DEFAULT {int(name == 'cuBLAS')}\n{shim}")
 
 
-def cublas_location() -> tuple[Path, Path, str] | None:
-    """(include dir, library dir, library file) of cuBLASLt: the CUDA toolkit beside nvcc,
-    else the nvidia-cublas wheel's (nvidia/cu13 or nvidia/cublas); None if neither has it."""
+def cublas_location() -> tuple[Path, Path, str, str] | None:
+    """(include dir, library dir, cuBLAS and cuBLASLt library files): the CUDA toolkit
+    beside nvcc, else the nvidia-cublas wheel's (nvidia/cu13 or nvidia/cublas); None if
+    neither has them."""
     places = []
     try:
         toolkit = Path(find_nvcc()).resolve().parent.parent
@@ -59,24 +61,29 @@ def cublas_location() -> tuple[Path, Path, str] | None:
         places += [(Path(root) / d / "include", Path(root) / d / "lib") for d in ("cu13", "cu12", "cublas")]
     for include, lib in places:
         if (include / "cublasLt.h").is_file() and lib.is_dir():
-            found = sorted(p.name for p in lib.glob("libcublasLt.so*"))
-            if found:
-                return include, lib, found[0]
+            blas = sorted(p.name for p in lib.glob("libcublas.so*"))
+            lt = sorted(p.name for p in lib.glob("libcublasLt.so*"))
+            if blas and lt:
+                return include, lib, blas[0], lt[0]
     return None
 
 
-def build_cublaslt(compiler: Compiler, problem: Problem) -> Path:
-    """The shim's library for this dtype and layout (compiled once, then cached)."""
+def build_baselines(compiler: Compiler, problem: Problem) -> dict[str, str]:
+    """The shim's libraries (cuBLAS, cuBLASLt) for this dtype and layout, compiled once, then
+    cached: name -> library path."""
     where = cublas_location()
     if where is None:
-        raise Cudal2Error("cuBLASLt headers not found (needed for the cuBLASLt baseline): install the CUDA "
+        raise Cudal2Error("cuBLAS headers not found (needed for the library baselines): install the CUDA "
                           "toolkit's cuBLAS or the nvidia-cublas wheel")
-    include, lib, name = where
-    link = (f"-I{include}", f"-L{lib}", f"-l:{name}", "-Xlinker", f"-rpath,{lib}")
-    build = compiler.compile(cublaslt_source(problem), link=link)
-    if build.status != "ok":
-        raise Cudal2Error(f"the cuBLASLt baseline does not compile: {build.log.strip().splitlines()[-1:]}")
-    return build.library
+    include, lib, blas, lt = where
+    link = (f"-I{include}", f"-L{lib}", f"-l:{blas}", f"-l:{lt}", "-Xlinker", f"-rpath,{lib}")
+    libraries = {}
+    for name in ("cuBLAS", "cuBLASLt"):
+        build = compiler.compile(shim_source(problem, name), link=link)
+        if build.status != "ok":
+            raise Cudal2Error(f"the {name} baseline does not compile: {build.log.strip().splitlines()[-1:]}")
+        libraries[name] = str(build.library)
+    return libraries
 
 
 # ---------------------------------------------------------- called in the GPU worker
@@ -116,15 +123,20 @@ def torch_gemm(problem: Problem, stream):
     except ImportError:
         return None
     ext = torch.cuda.ExternalStream(stream.ptr)
+    views: dict[tuple, Any] = {}
 
     def as_torch(x):
-        if problem.dtype == "fp16":
-            return torch.from_dlpack(x)
-        return torch.from_dlpack(x.view("int16")).view(torch.bfloat16)
+        # A view made once per buffer: DLPack's exchange orders the consumer's stream after
+        # the producer's, which is not allowed while the stream is being captured.
+        key = (x.data.ptr, x.shape)
+        if key not in views:
+            views[key] = (torch.from_dlpack(x) if problem.dtype == "fp16"
+                          else torch.from_dlpack(x.view("int16")).view(torch.bfloat16))
+        return views[key]
 
     def run(a, b, c) -> None:
-        ta, tb, tc = as_torch(a), as_torch(b), as_torch(c)
         with torch.cuda.stream(ext):
+            ta, tb, tc = as_torch(a), as_torch(b), as_torch(c)
             torch.mm(ta, tb if problem.layout == "nn" else tb.t(), out=tc)
 
     return run
@@ -159,10 +171,10 @@ class CublasLt:
         return dict(zip(LT_FIELDS, out))
 
 
-def autotune(lt: CublasLt, problem: Problem, time_index) -> dict[str, Any]:
-    """Times every algorithm the heuristic offers (`time_index(i)`: median device us with
-    algorithm i selected) and selects the fastest; returns its record."""
-    times = {i: time_index(i) for i in range(lt.algorithms(problem))}
+def autotune(lt: CublasLt, problem: Problem, medians) -> dict[str, Any]:
+    """Times every algorithm the heuristic offers (`medians(indices)`: median device us of
+    each, timed together) and selects the fastest; returns its record."""
+    times = medians(list(range(lt.algorithms(problem))))
     fastest = min(times, key=times.get)
     lt.select(fastest)
     return {"index": fastest, "of": len(times), "us": round(times[fastest], 3),

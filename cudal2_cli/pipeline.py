@@ -11,12 +11,13 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
-from .baselines import COLUMN, NAMES as BASELINES, algo_json, build_cublaslt
+from .baselines import COLUMN, NAMES as BASELINES, algo_json, build_baselines
 from .bench import OFFLINE_METHODS, PROTOCOL, claimed
 from .candidate import Candidate
 from .compile import Build, Compiler
 from .config import Settings
 from .environment import toolchain
+from .errors import Cudal2Error
 from .leaderboard import Leaderboard
 from .problem import Problem
 from .render import render
@@ -45,7 +46,7 @@ class Context:
     proposer: str = "user"
     model: str | None = None
     protocol: str = PROTOCOL  # an earlier offline protocol only for study (`cudal2 bench --bench`)
-    cublaslt: str | None = None  # the cuBLASLt baseline's library (built on first use)
+    libraries: dict[str, str] | None = None  # the cuBLAS and cuBLASLt baselines' (built on first use)
 
     def base_row(self) -> dict[str, Any]:
         env = self.worker.environment or {}
@@ -58,13 +59,13 @@ class Context:
 
     def job(self, op: str, **extra: Any) -> dict[str, Any]:
         p = self.problem
-        if self.protocol == PROTOCOL and self.cublaslt is None:
-            self.cublaslt = str(build_cublaslt(self.compiler, p))
+        if self.protocol == PROTOCOL and self.libraries is None:
+            self.libraries = build_baselines(self.compiler, p)
         return {
             "op": op, "problem": {"m": p.m, "n": p.n, "k": p.k, "dtype": p.dtype, "layout": p.layout},
             "settings": {"mode": self.mode, "budget_s": self.settings.budget, "qps": self.settings.qps,
                          "protocol": self.protocol},
-            "cublaslt": self.cublaslt, **extra,
+            "libraries": self.libraries, **extra,
         }
 
 
@@ -123,6 +124,8 @@ def timing_columns(timings: dict[str, dict[str, dict]], name: str, flops: int) -
 def measure_baselines(ctx: Context) -> list[dict[str, Any]]:
     """cuBLAS, cuBLASLt autotuned and torch.matmul (when importable), in one worker call."""
     result = ctx.worker.request(ctx.job("baselines"), ctx.settings.timeout)
+    if result.get("status") != "ok":
+        raise Cudal2Error(f"the library baselines failed ({result.get('status')}): {result.get('error')}")
     rows = []
     for name, (err, tol) in result.get("errors", {}).items():
         row = {**ctx.base_row(), "kernel": name, "status": "ok", "max_error": err, "tolerance": tol,

@@ -151,35 +151,37 @@ def _abi_call(kernel, workspace, problem: Problem, stream, name: str):
     return run
 
 
-def _baselines(problem: Problem, job: dict[str, Any], stream, timer, rng) -> tuple[dict, dict | None]:
+def _baselines(problem: Problem, job: dict[str, Any], stream, timer, rng) -> tuple[dict, dict]:
     """run(a, b, c) of each baseline, cuBLASLt autotuned for this problem (its record)."""
     import cupy
 
-    from .baselines import CublasLt, autotune, cublas_gemm, torch_gemm
-    from .measure import call_timer
+    from .baselines import CublasLt, autotune, torch_gemm
+    from .measure import interleaved_medians
+    from .verify import Kernel
 
-    run = {"cuBLAS": cublas_gemm(problem, stream)}
-    record = None
-    if job.get("cublaslt"):
-        lt = CublasLt(job["cublaslt"])
-        workspace = cupy.empty(max(1, lt.kernel.workspace_bytes(problem.m, problem.n, problem.k)), cupy.uint8)
-        run["cuBLASLt"] = _abi_call(lt.kernel, workspace, problem, stream, "cuBLASLt")
-        key = (problem.m, problem.n, problem.k, problem.dtype, problem.layout)
-        if key in _LT_CHOICE:
-            lt.algorithms(problem)
-            lt.select(_LT_CHOICE[key]["index"])
-        else:
-            median_us = call_timer(problem, stream=stream, timer=timer, rng=rng)
+    libraries = job["libraries"]
+    blas = Kernel(libraries["cuBLAS"])
+    lt = CublasLt(libraries["cuBLASLt"])
+    run = {name: _abi_call(kernel, cupy.empty(kernel.workspace_bytes(problem.m, problem.n, problem.k), cupy.uint8),
+                           problem, stream, name) for name, kernel in (("cuBLAS", blas), ("cuBLASLt", lt.kernel))}
+    key = (problem.m, problem.n, problem.k, problem.dtype, problem.layout)
+    if key in _LT_CHOICE:
+        lt.algorithms(problem)
+        lt.select(_LT_CHOICE[key]["index"])
+    else:
+        def run_algorithm(name: str, a, b, c) -> None:
+            lt.select(int(name))
+            run["cuBLASLt"](a, b, c)
 
-            def time_index(i: int) -> float:
-                lt.select(i)
-                return median_us(run["cuBLASLt"])
+        def medians(indices: list[int]) -> dict[int, float]:
+            found = interleaved_medians(run_algorithm, [str(i) for i in indices], problem, stream=stream,
+                                        timer=timer, rng=rng)
+            return {int(name): us for name, us in found.items()}
 
-            _LT_CHOICE[key] = autotune(lt, problem, time_index)
-        record = _LT_CHOICE[key]
+        _LT_CHOICE[key] = autotune(lt, problem, medians)
     if (torch_run := torch_gemm(problem, stream)) is not None:
         run["torch.matmul"] = torch_run
-    return run, record
+    return run, _LT_CHOICE[key]
 
 
 def _kernel_job(job: dict[str, Any], environment: dict[str, Any], timer) -> dict[str, Any]:

@@ -141,3 +141,31 @@ def test_a_study_protocol_row_keeps_cublas_as_its_baseline():
     row = timing_columns(timings, "kernel", flops=1)
     assert row["speedup_offline"] == pytest.approx(1.25) and row["baseline"] == "cuBLAS"
     assert "torch_offline_us" not in row
+
+
+def test_cublaslt_autotuning_keeps_the_fastest_algorithm_and_records_it():
+    from cudal2_cli.baselines import autotune
+    from cudal2_cli.problem import Problem
+
+    class StandInLt:
+        selected = None
+
+        def algorithms(self, problem):
+            return 4
+
+        def select(self, index):
+            self.selected = index
+
+        def describe(self, index):
+            return {"algo": 20 + index, "tile": index}
+
+    asked = []
+
+    def medians(indices):  # all timed together, as interleaved_medians does
+        asked.append(indices)
+        return {0: 10.0, 1: 9.1, 2: 9.4, 3: 12.0}
+
+    lt = StandInLt()
+    record = autotune(lt, Problem(64, 64, 64), medians)
+    assert asked == [[0, 1, 2, 3]] and lt.selected == 1
+    assert record == {"index": 1, "of": 4, "us": 9.1, "heuristic_first_us": 10.0, "algo": 21, "tile": 1}

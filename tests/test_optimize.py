@@ -53,7 +53,7 @@ class StandInWorker:
         return self.environment
 
     def request(self, job, timeout):
-        assert job["cublaslt"] == STAND_IN_LT and job["settings"]["protocol"] == PROTOCOL
+        assert job["libraries"] == STAND_IN_LIBRARIES and job["settings"]["protocol"] == PROTOCOL
         if job["op"] == "baselines":
             return {"status": "ok", "errors": {"cuBLAS": (1e-4, 1e-3), "cuBLASLt": (1e-4, 1e-3)},
                     "timings": both_methods(cuBLAS=100.0, cuBLASLt=95.0), "cublaslt": {"index": 3, "of": 8}}
@@ -67,13 +67,13 @@ class StandInWorker:
         pass
 
 
-STAND_IN_LT = "(the cuBLASLt baseline's library)"
+STAND_IN_LIBRARIES = {"cuBLAS": "(the cuBLAS shim)", "cuBLASLt": "(the cuBLASLt shim)"}
 
 
 def context(tmp_path, compiler, worker, problem=Problem(256, 256, 256)) -> Context:
     settings = Settings(results=tmp_path / "results")
     return Context(problem, settings, worker, compiler, Leaderboard(settings.results), "run-1", proposer="search",
-                   cublaslt=STAND_IN_LT)
+                   libraries=STAND_IN_LIBRARIES)
 
 
 def sm80_search(seed=0):

@@ -1,13 +1,16 @@
-// The cuBLASLt baseline behind the kernel ABI, so that it is timed exactly like a candidate.
-// Trusted code (it is the library a user would call), compiled once per dtype and layout.
-// The including source defines CUDAL2_LT_TYPE (CUDA_R_16F or CUDA_R_16BF) and
-// CUDAL2_LT_NT (1: B is W[N,K] row-major, C = A @ W^T; 0: B is [K,N] row-major).
+// The library baselines behind the kernel ABI, so that each is timed, captured in a graph and
+// checked exactly like a candidate. Trusted code (the libraries a user would call), compiled
+// once per dtype and layout. The including source defines CUDAL2_LT_TYPE (CUDA_R_16F or
+// CUDA_R_16BF), CUDAL2_LT_NT (1: B is W[N,K] row-major, C = A @ W^T; 0: B is [K,N] row-major)
+// and CUDAL2_CUBLAS_DEFAULT (1: cudal2_gemm is cublasGemmEx with the default algorithm, its
+// workspace the ABI's, as torch sets one; 0: cuBLASLt with the selected algorithm).
 //
 // cudal2_lt_heuristics(M, N, K, requested) asks the heuristic for its top algorithms for that
 // shape (with a workspace of CUDAL2_LT_WORKSPACE bytes); cudal2_lt_select(i) picks the one
 // cudal2_gemm runs; cudal2_lt_describe(i, out) writes its configuration (algo id, tile, stages,
 // split-K, reduction, swizzle, custom option) so that the autotuned choice can be recorded.
 #include <cublasLt.h>
+#include <cublas_v2.h>
 #include <cuda_runtime.h>
 #include <cstddef>
 
@@ -100,6 +103,22 @@ extern "C" int cudal2_lt_describe(int index, int* out) {
 
 extern "C" size_t cudal2_workspace_bytes(int, int, int) { return CUDAL2_LT_WORKSPACE; }
 
+#if CUDAL2_CUBLAS_DEFAULT
+// Row-major C[M,N] = column-major C^T = B^T A^T, as above.
+extern "C" int cudal2_gemm(const void* A, const void* B, void* C, int M, int N, int K, void* workspace,
+                           size_t workspace_bytes, cudaStream_t stream) {
+  static cublasHandle_t blas = nullptr;
+  if (!blas && cublasCreate(&blas) != CUBLAS_STATUS_SUCCESS) return 1;
+  if (cublasSetStream(blas, stream) != CUBLAS_STATUS_SUCCESS) return 2;
+  if (cublasSetWorkspace(blas, workspace, workspace_bytes) != CUBLAS_STATUS_SUCCESS) return 3;
+  const float alpha = 1.f, beta = 0.f;
+  const cublasOperation_t op_b = CUDAL2_LT_NT ? CUBLAS_OP_T : CUBLAS_OP_N;
+  const int ldb = CUDAL2_LT_NT ? K : N;
+  return cublasGemmEx(blas, op_b, CUBLAS_OP_N, N, M, K, &alpha, B, CUDAL2_LT_TYPE, ldb, A, CUDAL2_LT_TYPE, K,
+                      &beta, C, CUDAL2_LT_TYPE, N, CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT) == CUBLAS_STATUS_SUCCESS
+             ? 0 : 4;
+}
+#else
 extern "C" int cudal2_gemm(const void* A, const void* B, void* C, int M, int N, int K, void* workspace,
                            size_t workspace_bytes, cudaStream_t stream) {
   if (M != plan.m || N != plan.n || K != plan.k) {
@@ -111,3 +130,4 @@ extern "C" int cudal2_gemm(const void* A, const void* B, void* C, int M, int N, 
   return cublasLtMatmul(handle, plan.op, &alpha, B, plan.a, A, plan.b, &beta, C, plan.c, C, plan.c, &chosen.algo,
                         workspace, workspace_bytes, stream) == CUBLAS_STATUS_SUCCESS ? 0 : 3;
 }
+#endif
