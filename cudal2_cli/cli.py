@@ -26,6 +26,7 @@ from .errors import Cudal2Error
 from .leaderboard import BASELINES, STATUSES, Leaderboard, best, select
 from .pipeline import Context, evaluate, measure_baselines, new_run_id
 from .problem import DTYPES, Problem
+from .shapes import MODELS, shape_set
 from .worker import Worker
 
 app = typer.Typer(add_completion=False, no_args_is_help=True,
@@ -249,19 +250,44 @@ def print_bench_table(rows: list[dict[str, Any]], protocol: str, mode: str) -> N
 
 # --------------------------------------------------------------------------- optimize
 
+ShapesOpt = Annotated[Optional[Path], typer.Option(
+    "--shapes", help="a shape set: CSV with columns m, n, k[, dtype, layout] (instead of --m --n --k)")]
+ModelOpt = Annotated[Optional[str], typer.Option(
+    "--model", help=f"a model preset, its projection GEMMs (nt, bf16 unless --dtype): {' | '.join(MODELS)}")]
+TokensOpt = Annotated[Optional[str], typer.Option(help="the preset's token counts, the GEMMs' M (default 1,16,128,4096)")]
+
+
+def problems_of(m, n, k, dtype, layout, shapes, model, tokens, dtype_given: bool) -> list[Problem]:
+    """The problems a command names: one shape (--m --n --k), a shape file or a preset."""
+    named = shape_set(shapes, model, tokens, dtype if dtype_given else None)
+    if named is not None:
+        if any(v is not None for v in (m, n, k)):
+            raise Cudal2Error("give --m --n --k, or a shape set (--shapes, --model), not both")
+        return named
+    if any(v is None for v in (m, n, k)):
+        raise Cudal2Error("give --m, --n and --k, or a shape set (--shapes FILE or --model NAME)")
+    return [Problem.parse(m, n, k, dtype, layout)]
+
+
 @app.command()
 @cli_errors
 def optimize(
-    m: M, n: N, k: K,
-    dtype: Dtype = "fp16",
+    m: Annotated[Optional[str], typer.Option("--m", help="rows of A and C")] = None,
+    n: Annotated[Optional[str], typer.Option("--n", help="columns of B and C")] = None,
+    k: Annotated[Optional[str], typer.Option("--k", help="the reduction dimension")] = None,
+    dtype: Annotated[Optional[str], typer.Option(help=f"element type of A, B and C: {' | '.join(DTYPES)} (default fp16; "
+                                                      "bf16 for a --model preset)")] = None,
     layout: Layout = "nn",
+    shapes: ShapesOpt = None,
+    model: ModelOpt = None,
+    tokens: TokensOpt = None,
     proposer: Annotated[str, typer.Option(help="search (cost model + local search) | llm | hybrid")] = "search",
     iterations: Annotated[int, typer.Option(help="batches to propose")] = 10,
     batch: Annotated[int, typer.Option(help="candidates per batch")] = 8,
-    time_budget: Annotated[Optional[float], typer.Option(help="wall-clock seconds for the run")] = None,
+    time_budget: Annotated[Optional[float], typer.Option(help="wall-clock seconds for each shape")] = None,
     patience: Annotated[Optional[int], typer.Option(help="stop after this many batches without a better kernel")] = 3,
     seed: Annotated[int, typer.Option(help="seed of the search proposer")] = 0,
-    model: Annotated[Optional[str], typer.Option(help="LLM model name (llm, hybrid)")] = None,
+    llm_model: Annotated[Optional[str], typer.Option(help="LLM model name (llm, hybrid)")] = None,
     base_url: Annotated[Optional[str], typer.Option(help="OpenAI-compatible endpoint (llm, hybrid)")] = None,
     mode: Annotated[str, typer.Option(help="offline | server: the mode that decides the best kernel")] = "offline",
     budget: Annotated[Optional[float], typer.Option(help="seconds of timing per kernel")] = None,
@@ -273,13 +299,15 @@ def optimize(
     arch: Arch = None,
     json_out: Json = False,
 ) -> None:
-    """Search for the fastest kernel for one problem: propose, compile, verify, bench, record.
+    """Search for the fastest kernel for one problem or a shape set: propose, compile,
+    verify, bench, record.
 
-    Warm-starts from the leaderboard; every row is recorded as it is measured, so Ctrl-C
-    keeps everything and a re-run measures nothing twice. The best kernel is exported to
+    Warm-starts from the leaderboard (each shape of a set from the ones before it too); the
+    rows of every batch are recorded as it ends, so Ctrl-C keeps what was measured and a
+    re-run measures nothing twice. The best kernel of each shape is exported to
     results/best/<gpu>/<dtype>_<layout>/<m>_<n>_<k>.cu.
     """
-    from .optimize import Budget, optimize as run_optimize
+    from .optimize import Budget, optimize_shapes as run_shapes
     from .propose import HybridProposer, SearchProposer
 
     if mode not in ("offline", "server"):
@@ -289,7 +317,7 @@ def optimize(
     for name, value in (("iterations", iterations), ("batch", batch)):
         if value < 1:
             raise Cudal2Error(f"--{name} must be >= 1, got {value}")
-    problem = Problem.parse(m, n, k, dtype, layout)
+    problems = problems_of(m, n, k, dtype or "fp16", layout, shapes, model, tokens, dtype is not None)
     settings = load_settings({"budget": budget, "results": results, "arch": arch})
     grid = parse_params(param)
     if grid and not template:
@@ -302,10 +330,10 @@ def optimize(
     if proposer != "search":
         from .llm import load_llm_settings
 
-        llm_settings = load_llm_settings({"model": model, "base_url": base_url})
+        llm_settings = load_llm_settings({"model": llm_model, "base_url": base_url})
     find_nvcc()
     leaderboard = Leaderboard(settings.results)
-    recorded = leaderboard.read()
+    leaderboard.read()  # an unreadable leaderboard fails before any measurement
     with Worker(settings.device) as worker:
         env = worker.start()
         compiler = Compiler(settings.arch or default_arch(env["cc"]), settings.cache_dir, settings.jobs, settings.timeout)
@@ -314,35 +342,68 @@ def optimize(
         def cached(target: Problem, name: str, params: dict[str, Any]) -> bool:
             return compiler.lookup(render_stage.render(Candidate.from_template(name, params), target)) is not None
 
-        prior = select(recorded, gpu=env["gpu"], status="ok").to_dict("records") if len(recorded) else []
         within = None
         if template:  # every configuration of the grid (or of the whole space), valid for this GPU
             within = (render_stage.template_grid(template, grid, env["cc"]) if grid else
                       [Candidate.from_template(template, p)
                        for p in render_stage.get_template(template).space.configurations(env["cc"])])
-        search = SearchProposer(env, seed=seed, prior=prior, cached=cached, within=within)
-        chosen = search
+        llm = None
         if llm_settings is not None:
             from .llm import LLMProposer
 
             llm = LLMProposer(llm_settings, run_dir=settings.results / "runs" / run_id, cc=env["cc"], device=env)
-            chosen = llm if proposer == "llm" else HybridProposer(llm, search)
-        ctx = Context(problem, settings, worker, compiler, leaderboard, run_id, mode=mode,
-                      proposer=proposer, model=llm_settings.model if llm_settings else None)
-        with progress_display(json_out, iterations * batch) as on_event:
-            outcome = run_optimize(ctx, chosen, Budget(iterations, batch, time_budget, patience),
-                                   remeasure=remeasure, on_event=on_event)
-    summary = {
-        "problem": problem.__dict__, "gpu": env["gpu"], "baseline_us": outcome.baseline_us,
+
+        def context(problem: Problem) -> Context:
+            return Context(problem, settings, worker, compiler, leaderboard, run_id, mode=mode,
+                           proposer=proposer, model=llm_settings.model if llm_settings else None)
+
+        def proposer_for(ctx: Context):
+            recorded = leaderboard.read()  # the shapes tuned before this one are priors too
+            prior = select(recorded, gpu=env["gpu"], status="ok").to_dict("records") if len(recorded) else []
+            search = SearchProposer(env, seed=seed, prior=prior, cached=cached, within=within)
+            return search if llm is None else llm if proposer == "llm" else HybridProposer(llm, search)
+
+        with progress_display(json_out, len(problems) * iterations * batch) as on_event:
+            outcomes = run_shapes(problems, context, proposer_for, Budget(iterations, batch, time_budget, patience),
+                                  remeasure=remeasure, on_event=on_event)
+    summaries = [optimize_summary(p, env, o, run_id) for p, o in zip(problems, outcomes)]
+    if not json_out:
+        for problem, outcome in zip(problems, outcomes):
+            if len(problems) > 1:
+                print(f"{problem}:")
+            print_optimize_summary(outcome, mode)
+    if json_out:
+        print(json.dumps(summaries[0] if shapes is None and model is None else
+                         {"shapes": summaries, "summary": set_summary(summaries, mode)}, indent=1, default=str))
+    elif len(summaries) > 1:
+        total = set_summary(summaries, mode)
+        print(f"{total['tuned']} of {total['shapes']} shapes with a verified kernel; speedup over the fastest library "
+              f"call: geometric mean {fmt(total['geomean_speedup'], 3)}, minimum {fmt(total['min_speedup'], 3)}; "
+              f"wall {total['wall_s']:.1f} s")
+
+
+def optimize_summary(problem: Problem, env: dict[str, Any], outcome, run_id: str) -> dict[str, Any]:
+    return {
+        "problem": problem.__dict__, "gpu": env["gpu"], "baseline": outcome.baseline, "baseline_us": outcome.baseline_us,
         "best": jsonable([outcome.best])[0] if outcome.best else None,
         "exported": str(outcome.exported) if outcome.exported else None,
         "statuses": outcome.statuses, "stopped": outcome.stopped, "duplicates": outcome.duplicates,
         "wall_s": round(outcome.wall_s, 2), "gpu_s": round(outcome.gpu_s, 2), "compile_s": round(outcome.compile_s, 2),
         "run_id": run_id,
     }
-    if json_out:
-        print(json.dumps(summary, indent=1, default=str))
-        return
+
+
+def set_summary(summaries: list[dict[str, Any]], mode: str) -> dict[str, Any]:
+    """Over a shape set's runs: how many found a verified kernel, the geometric mean and
+    minimum of their best speedups, the wall time."""
+    speedups = [s["best"][f"speedup_{mode}"] for s in summaries if s["best"] and s["best"].get(f"speedup_{mode}")]
+    return {"shapes": len(summaries), "tuned": len(speedups),
+            "geomean_speedup": math.exp(sum(map(math.log, speedups)) / len(speedups)) if speedups else None,
+            "min_speedup": min(speedups) if speedups else None,
+            "wall_s": round(sum(s["wall_s"] for s in summaries), 2)}
+
+
+def print_optimize_summary(outcome, mode: str) -> None:
     best = outcome.best
     print(f"fastest baseline: {outcome.baseline or '-'} {fmt(outcome.baseline_us)} us")
     if best:
@@ -373,7 +434,9 @@ def progress_display(quiet: bool, total: int):
         task = bar.add_task("measuring baselines", total=total)
 
         def on_event(kind: str, info: dict[str, Any]) -> None:
-            if kind == "batch":
+            if kind == "shape":
+                bar.console.print(f"[{info['index']}/{info['of']}] {info['problem']}")
+            elif kind == "batch":
                 bar.update(task, description=f"batch {info['iteration']}: compiling next, measuring {info['candidates']}")
             elif kind == "measured":
                 row = info["row"]
@@ -386,7 +449,9 @@ def progress_display(quiet: bool, total: int):
 
 def plain_progress(kind: str, info: dict[str, Any]) -> None:
     """One line per event, for logs and pipes."""
-    if kind == "baseline":
+    if kind == "shape":
+        print(f"[{info['index']}/{info['of']}] {info['problem']}", flush=True)
+    elif kind == "baseline":
         print(f"fastest baseline: {info['name'] or '-'} {fmt(info['us'])} us", flush=True)
     elif kind == "batch":
         print(f"batch {info['iteration']}: {info['candidates']} to measure, {info['invalid']} invalid", flush=True)
@@ -414,8 +479,10 @@ def leaderboard_cmd(
              "(earlier protocols, never ranked with it)")] = PROTOCOL,
     format: Annotated[str, typer.Option(help="table | csv | json | markdown")] = "table",
     shapes: Annotated[Optional[Path], typer.Option(
-        help="a shape set (CSV with m,n,k,dtype,layout columns): its rows only, in its order, "
+        help="a shape set (CSV with columns m, n, k[, dtype, layout]): its rows only, in its order, "
              "with the geometric mean and minimum of their best speedups")] = None,
+    model: ModelOpt = None,
+    tokens: TokensOpt = None,
     export: Annotated[bool, typer.Option(
         "--export", help="also write each best kernel shown to results/best/<gpu>/<dtype>_<layout>/<m>_<n>_<k>.cu")] = False,
     migrate: Annotated[bool, typer.Option(
@@ -445,10 +512,10 @@ def leaderboard_cmd(
         typer.echo(f"migrated {replaced} part(s), {count} rows, into one part of the current schema", err=True)
     df = select(board.read(bench), m=m, n=n, k=k, gpu=gpu, dtype=dtype, layout=layout)
     keys = ["gpu", "m", "n", "k", "dtype", "layout"]
-    if shapes is not None:
+    if (named := shape_set(shapes, model, tokens, dtype)) is not None:
         if status is not None:
-            raise Cudal2Error("--shapes reports the best kernels; it does not combine with --status")
-        shown = report_shapes(df, read_shapes(shapes), format)
+            raise Cudal2Error("a shape set reports the best kernels; it does not combine with --status")
+        shown = report_shapes(df, named, format)
         if export:
             export_rows(board, settings.results, shown)
         return
@@ -470,18 +537,6 @@ def export_rows(board: Leaderboard, results: Path, rows: pd.DataFrame) -> None:
 
     paths = [export_best(board, results, row) for row in rows.to_dict("records") if row.get("source_hash")]
     typer.echo(f"exported {len(paths)} kernel(s) to {results / 'best'}", err=True)
-
-
-def read_shapes(path: Path) -> list[Problem]:
-    """The problems of a shape-set CSV (columns m, n, k, dtype, layout; others ignored)."""
-    try:
-        table = pd.read_csv(path)
-    except (OSError, ValueError) as exc:
-        raise Cudal2Error(f"cannot read shape set {path}: {exc}") from None
-    missing = [c for c in ("m", "n", "k", "dtype", "layout") if c not in table.columns]
-    if missing:
-        raise Cudal2Error(f"shape set {path} lacks column(s) {', '.join(missing)}")
-    return [Problem.parse(r.m, r.n, r.k, r.dtype, r.layout) for r in table.itertuples()]
 
 
 # What a report shows of each best kernel: both methods, every baseline, the claim.

@@ -64,9 +64,9 @@ def problem_history(ctx: Context) -> list[dict[str, Any]]:
 
 def optimize(ctx: Context, proposer: Proposer, budget: Budget, *, remeasure: bool = False,
              on_event: Event | None = None) -> Outcome:
-    """Runs the loop for ctx.problem. Every row is appended to the leaderboard as it is
-    measured, so an interrupted run loses nothing; a re-run measures nothing twice
-    (same source, or same binary) unless `remeasure`."""
+    """Runs the loop for ctx.problem. Each batch's rows are appended to the leaderboard as
+    it ends (or is interrupted), so an interrupted run keeps what it measured; a re-run
+    measures nothing twice (same source, or same binary) unless `remeasure`."""
     emit = on_event or (lambda kind, info: None)
     start = time.monotonic()
     out = Outcome()
@@ -189,6 +189,22 @@ def optimize(ctx: Context, proposer: Proposer, budget: Budget, *, remeasure: boo
     if out.best is not None:
         out.exported = export_best(ctx.leaderboard, ctx.settings.results, out.best, ctx.mode)
     return out
+
+
+def optimize_shapes(problems: list[Problem], context: Callable[[Problem], Context],
+                    proposer: Callable[[Context], Proposer], budget: Budget, *, remeasure: bool = False,
+                    on_event: Event | None = None) -> list[Outcome]:
+    """optimize() for each problem in turn, on one worker and one compile cache: a context
+    and a proposer are made for each (so each warm-starts from the shapes tuned before it).
+    Each batch's rows are in the leaderboard as it ends, so a killed run keeps them and a
+    re-run measures nothing twice; `on_event` also hears ("shape", {index, of, problem})."""
+    emit = on_event or (lambda kind, info: None)
+    outcomes = []
+    for index, problem in enumerate(problems, start=1):
+        emit("shape", {"index": index, "of": len(problems), "problem": problem})
+        ctx = context(problem)
+        outcomes.append(optimize(ctx, proposer(ctx), budget, remeasure=remeasure, on_event=on_event))
+    return outcomes
 
 
 def _extend(history: list, visible: list, rows: list) -> None:

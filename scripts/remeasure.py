@@ -38,7 +38,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from cudal2_cli.baselines import build_baselines  # noqa: E402
-from cudal2_cli.cli import read_shapes  # noqa: E402
+from cudal2_cli.shapes import read_shapes  # noqa: E402
 from cudal2_cli.compile import Compiler, default_cache_dir  # noqa: E402
 from cudal2_cli.leaderboard import Leaderboard, best, select  # noqa: E402
 from cudal2_cli.problem import Problem  # noqa: E402

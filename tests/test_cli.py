@@ -176,3 +176,15 @@ def test_leaderboard_shows_one_protocol_and_never_mixes_them(tmp_path):
     assert [r["kernel"] for r in report["rows"]] == ["(none measured)", "now"]
     assert report["summary"]["geomean_speedup"] == pytest.approx(1.01)
     one_line_error(run("leaderboard", "--results", tmp_path, "--bench", "warm"), "unknown --bench 'warm'")
+
+
+def test_leaderboard_reports_a_model_preset(tmp_path):
+    lb = Leaderboard(tmp_path)
+    lb.append([row("decode-kernel", 1.08, m=16, n=4096, k=4096, dtype="bf16", layout="nt")])
+    report = json.loads(run("leaderboard", "--results", tmp_path, "--model", "llama3-8b", "--tokens", "16",
+                            "--format", "json").output)
+    assert [(r["n"], r["k"], r["kernel"]) for r in report["rows"]] == [
+        (6144, 4096, "(none measured)"), (4096, 4096, "decode-kernel"), (28672, 4096, "(none measured)"),
+        (4096, 14336, "(none measured)")]
+    assert report["summary"]["measured"] == 1
+    one_line_error(run("leaderboard", "--results", tmp_path, "--model", "gpt-9"), "unknown model 'gpt-9'")

@@ -337,6 +337,20 @@ def test_optimize_rejects_bad_options_in_one_line(args, text, tmp_path):
     assert text in result.output
 
 
+@pytest.mark.parametrize("args, text", [
+    (("--m", "64", "--n", "64"), "give --m, --n and --k, or a shape set"),
+    (("--shapes", "missing.csv"), "cannot read shape set missing.csv"),
+    (("--model", "llama9"), "unknown model 'llama9'"),
+    (("--model", "llama3-8b", "--tokens", "1,x"), "comma-separated integers"),
+    (("--model", "llama3-8b", "--m", "64"), "not both"),
+    (("--shapes", "missing.csv", "--model", "llama3-8b"), "a shape file or a model preset, not both"),
+])
+def test_optimize_names_a_bad_shape_set_in_one_line(args, text, tmp_path):
+    result = CliRunner().invoke(app, ["optimize", "--results", str(tmp_path), *args])
+    assert result.exit_code == 1 and result.output.strip().startswith("error: ") and len(result.output.strip().splitlines()) == 1
+    assert text in result.output
+
+
 def test_llm_proposals_from_a_loopback_endpoint_run_through_the_loop(tmp_path, compiler, endpoint, monkeypatch):
     from conftest import fenced
 
@@ -351,7 +365,7 @@ def test_llm_proposals_from_a_loopback_endpoint_run_through_the_loop(tmp_path, c
     statuses = sorted(r["status"] for r in out.rows if r["kernel"] not in BASELINES)
     assert statuses == ["invalid", "ok"]
     assert "unknown template 'nope'" in next(r["error"] for r in out.rows if r["status"] == "invalid")
-    assert "100.0" in endpoint.prompt(0)  # the cuBLAS baseline reached the model
+    assert "95.00 us" in endpoint.prompt(0)  # the fastest baseline (cuBLASLt here) reached the model
     # The second round found the endpoint failing (its script ran out: HTTP 500): the run
     # stops with that reason and keeps, and exports, what it measured.
     assert len(endpoint.requests) == 2 and "HTTP 500" in out.stopped
@@ -389,3 +403,41 @@ def test_best_is_judged_in_the_run_mode_and_ignores_missing_speedups():
     assert best_row(rows, "offline")["kernel"] == "a"
     assert best_row(rows, "server")["kernel"] == "b"
     assert best_row(rows[2:], "offline") is None
+
+
+class KilledWorker(StandInWorker):
+    """A stand-in killed (Ctrl-C) at its `at`-th kernel request."""
+
+    def __init__(self, at: int):
+        super().__init__()
+        self.at = at
+
+    def request(self, job, timeout):
+        if job["op"] == "kernel" and len(self.kernels) + 1 == self.at:
+            raise KeyboardInterrupt
+        return super().request(job, timeout)
+
+
+def shape_set_run(tmp_path, compiler, worker, problems):
+    from cudal2_cli.optimize import optimize_shapes
+
+    def make(problem):
+        return context(tmp_path, compiler, worker, problem)
+
+    return optimize_shapes(problems, make, lambda ctx: sm80_search(), Budget(iterations=1, batch=2, patience=None))
+
+
+def test_a_shape_set_is_tuned_in_one_run_and_a_killed_run_resumes(tmp_path, compiler):
+    problems = [Problem(256, 256, 256), Problem(128, 512, 64), Problem(64, 64, 1000, "bf16", "nt")]
+    with pytest.raises(KeyboardInterrupt):
+        shape_set_run(tmp_path, compiler, KilledWorker(at=4), problems)
+    board = Leaderboard(tmp_path / "results").read()
+    kept = board[~board["kernel"].isin(BASELINES)]
+    # the first shape's batch and the second shape's first kernel were measured before the kill
+    assert sorted(kept.groupby("m").size().to_dict().items()) == [(128, 1), (256, 2)]
+    outcomes = shape_set_run(tmp_path, compiler, StandInWorker(), problems)
+    assert [o.best is not None for o in outcomes] == [True, True, True]
+    board = Leaderboard(tmp_path / "results").read()
+    kernels = board[~board["kernel"].isin(BASELINES)]
+    assert not kernels.duplicated(["m", "n", "k", "dtype", "layout", "source_hash"]).any()  # nothing measured twice
+    assert set(zip(kernels["m"], kernels["dtype"])) == {(256, "fp16"), (128, "fp16"), (64, "bf16")}
