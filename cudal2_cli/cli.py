@@ -469,7 +469,7 @@ def leaderboard_cmd(
     m: Annotated[Optional[int], typer.Option("--m")] = None,
     n: Annotated[Optional[int], typer.Option("--n")] = None,
     k: Annotated[Optional[int], typer.Option("--k")] = None,
-    gpu: Annotated[Optional[str], typer.Option(help="GPU name, as recorded (e.g. 'NVIDIA H200')")] = None,
+    gpu: Annotated[Optional[str], typer.Option(help="GPU name or part of it, any case (e.g. 'H200')")] = None,
     dtype: Annotated[Optional[str], typer.Option()] = None,
     layout: Annotated[Optional[str], typer.Option()] = None,
     status: Annotated[Optional[str], typer.Option(help=f"show rows of this status: {' | '.join(STATUSES)}")] = None,
@@ -510,7 +510,11 @@ def leaderboard_cmd(
     if migrate:
         replaced, count = board.migrate()
         typer.echo(f"migrated {replaced} part(s), {count} rows, into one part of the current schema", err=True)
-    df = select(board.read(bench), m=m, n=n, k=k, gpu=gpu, dtype=dtype, layout=layout)
+    if not board.parts.is_dir():
+        raise Cudal2Error(f"no leaderboard in {settings.results} (nothing measured there yet, or another --results)")
+    df = select(board.read(bench), m=m, n=n, k=k, dtype=dtype, layout=layout)
+    if gpu is not None:  # 'H200' finds 'NVIDIA H200'
+        df = df[df["gpu"].fillna("").str.contains(gpu, case=False, regex=False)]
     keys = ["gpu", "m", "n", "k", "dtype", "layout"]
     if (named := shape_set(shapes, model, tokens, dtype)) is not None:
         if status is not None:
@@ -647,7 +651,7 @@ def compile_cmd(
         show_table(columns, [[fmt(r[c]) for c in columns] for r in records])
         for r in records:
             if r["error"]:
-                err_console.print(f"{r['kernel']}: {r['error'].strip().splitlines()[-1] if r['error'].strip() else r['status']}")
+                err_console.print(f"{r['kernel']}: {first_error_line(r['error']) if r['error'].strip() else r['status']}")
     if any(b.status != "ok" for b in builds):
         raise typer.Exit(1)
 

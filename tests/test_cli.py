@@ -81,6 +81,14 @@ def test_kernel_that_does_not_compile_is_named(tmp_path):
 
 
 @pytest.mark.nvcc
+def test_compile_shows_the_compilers_own_error_line(tmp_path):
+    bad = tmp_path / "bad.cu"
+    bad.write_text('extern "C" int cudal2_gemm() { return nope; }\n')
+    result = run("compile", "--kernel", bad, "--arch", "sm_90a", env={"CUDAL2_CACHE_DIR": str(tmp_path / "c")})
+    assert result.exit_code == 1 and 'identifier "nope" is undefined' in result.stderr, result.stderr
+
+
+@pytest.mark.nvcc
 def test_kernel_without_the_entry_point_is_named(tmp_path):
     bad = tmp_path / "noabi.cu"
     bad.write_text('extern "C" int gemm(void) { return 0; }\n')
@@ -158,6 +166,12 @@ def test_leaderboard_filters_top_and_status(results):
     cheats = json.loads(run("leaderboard", "--results", results, "--status", "cheat", "--format", "json").output)
     assert [(r["kernel"], r["error"]) for r in cheats] == [("cheater", "wrote outside C")]
     assert "no results match" in run("leaderboard", "--results", results, "--gpu", "A100").output
+    shown = json.loads(run("leaderboard", "--results", results, "--gpu", "h200", "--format", "json").output)
+    assert {r["gpu"] for r in shown} == {"NVIDIA H200"}  # part of the name, any case
+
+
+def test_a_results_directory_without_a_leaderboard_is_an_error(tmp_path):
+    one_line_error(run("leaderboard", "--results", tmp_path / "nowhere"), "no leaderboard in")
 
 
 def test_leaderboard_shows_one_protocol_and_never_mixes_them(tmp_path):
