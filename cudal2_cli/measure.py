@@ -116,16 +116,22 @@ class InputSets:
         self.num.cast(self.gen.standard_normal(self.b[s].shape, dtype=self.cp.float32), self.b[s])
 
 
-def _graphs(names, run, sets: InputSets, stream, calls: int):
-    """Captures each contestant's graph (`calls` x neighbour + call, cycling the sets) and
-    the neighbours' alone; returns replay(name or None) -> device us."""
+def neighbour_kernel(stream) -> Callable[[], None]:
+    """Launches the protocol's neighbour kernel on `stream`."""
     import cupy
 
     kernel = cupy.RawKernel(NEIGHBOUR_SOURCE, "cudal2_neighbour")
     scratch = cupy.ones(NEIGHBOUR_FLOATS, cupy.float32)
+    return lambda: kernel((264,), (256,), (scratch, cupy.uint32(NEIGHBOUR_FLOATS)), stream=stream)
 
-    def neighbour() -> None:
-        kernel((264,), (256,), (scratch, cupy.uint32(NEIGHBOUR_FLOATS)), stream=stream)
+
+def graphs(names, run, sets: InputSets, stream, calls: int, neighbour: Callable[[], None] | None = None):
+    """Captures each contestant's graph (`calls` x neighbour + call, cycling the sets) and
+    the neighbours' alone; returns replay(name or None) -> device us. `neighbour` launches
+    the kernel ahead of each call (default: the protocol's, neighbour_kernel)."""
+    import cupy
+
+    neighbour = neighbour or neighbour_kernel(stream)
 
     def capture(name: str | None):
         stream.begin_capture(cupy.cuda.runtime.streamCaptureModeRelaxed)
@@ -204,7 +210,7 @@ def time_contestants(run: dict[str, Callable], problem: Problem, *, stream, time
             for s in range(INPUT_SETS):
                 refresh(s)
             with timer.paused():
-                replay = _graphs(names, run, sets, stream, calls)
+                replay = graphs(names, run, sets, stream, calls)
                 graph = graph_rounds(names, replay=replay, calls=calls, budget_s=budget, rng=random.Random(seed + 1))
             for name in names:
                 for s in range(INPUT_SETS):
