@@ -510,7 +510,7 @@ def leaderboard_cmd(
     if migrate:
         replaced, count = board.migrate()
         typer.echo(f"migrated {replaced} part(s), {count} rows, into one part of the current schema", err=True)
-    if not board.parts.is_dir():
+    if not board.parts.exists():
         raise Cudal2Error(f"no leaderboard in {settings.results} (nothing measured there yet, or another --results)")
     df = select(board.read(bench), m=m, n=n, k=k, dtype=dtype, layout=layout)
     if gpu is not None:  # 'H200' finds 'NVIDIA H200'

@@ -14,7 +14,8 @@ import subprocess
 import tempfile
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor, as_completed
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -271,10 +272,17 @@ class Compiler:
         except OSError:  # another process published the same key first
             shutil.rmtree(work, ignore_errors=True)
 
-    def compile_all(self, sources: list[str], generation: int | None = None) -> list[Build]:
-        """Many sources in parallel (one nvcc per job slot); identical sources compile once."""
+    def compile_all(self, sources: list[str], generation: int | None = None,
+                    on_build: Callable[[str, Build], None] | None = None) -> list[Build]:
+        """Many sources in parallel (one nvcc per job slot); identical sources compile once.
+        `on_build(source, build)` hears of each build as it finishes."""
         unique = list(dict.fromkeys(sources))
         generation = self._generation if generation is None else generation
+        builds = {}
         with ThreadPoolExecutor(max_workers=max(1, min(self.jobs, len(unique)))) as pool:
-            builds = dict(zip(unique, pool.map(lambda source: self.compile(source, generation), unique)))
+            futures = {pool.submit(self.compile, source, generation): source for source in unique}
+            for future in as_completed(futures):
+                builds[futures[future]] = build = future.result()
+                if on_build:
+                    on_build(futures[future], build)
         return [builds[s] for s in sources]

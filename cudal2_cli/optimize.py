@@ -117,9 +117,45 @@ def optimize(ctx: Context, proposer: Proposer, budget: Budget, *, remeasure: boo
             fresh.append(proposal)
             in_flight.append({"kernel": str(proposal), "template": proposal.template, "status": "pending",
                               "params": proposal.params_json if proposal.template else None})
-        built = build_all(ctx, fresh, generation)
+        compiled.clear()
+        built = build_all(ctx, fresh, generation, on_built=compiled.append)
         out.compile_s += sum(b.build.seconds for b in built if not b.build.cached)
         return built, invalid
+
+    compiled: list[Built] = []  # the batch compiling now: its builds as they finish
+
+    def verified() -> bool:
+        return best_row(history, ctx.mode) is not None
+
+    def measure_batch(built: list[Built], rows: list[dict[str, Any]]) -> bool:
+        """Measures the batch's kernels, until the time budget is spent once a kernel is
+        verified (a run never ends without one while it has one to measure); records the
+        rows as one part, even when interrupted. True if the best speedup improved."""
+        nonlocal best_speedup
+        improved = False
+        try:
+            for item in built:
+                if over_time() and verified():
+                    break
+                binary = _binary_hash(item)
+                if binary is not None and binary in seen_binaries:
+                    out.duplicates += 1
+                    continue
+                if binary is not None:
+                    seen_binaries.add(binary)
+                t0 = time.monotonic()
+                row = measure_row(ctx, item)
+                out.gpu_s += time.monotonic() - t0 if item.build.status == "ok" else 0.0
+                rows.append(row)
+                out.rows.append(row)
+                _extend(history, visible, [row])
+                speedup = row.get(metric)
+                if row["status"] == "ok" and speedup and speedup > best_speedup:
+                    best_speedup, improved = speedup, True
+                emit("measured", {"row": row, "speedup": speedup, "best_speedup": best_speedup})
+        finally:
+            ctx.leaderboard.append(rows)
+        return improved
 
     metric = f"speedup_{ctx.mode}"  # the mode that decides "best": offline or server
     best = best_row(history, ctx.mode)
@@ -136,6 +172,10 @@ def optimize(ctx: Context, proposer: Proposer, budget: Budget, *, remeasure: boo
             except FutureTimeout:
                 out.stopped = "time budget spent (while the next batch compiled)"
                 ctx.compiler.cancel()  # its nvcc processes stop; nothing half-done is cached
+                ready = [item for item in list(compiled) if item.build.status == "ok"]
+                if not verified() and ready:  # never end empty: measure what had compiled
+                    out.stopped += f"; the {len(ready)} kernel(s) built by then measured"
+                    measure_batch(ready, [])
                 break
             except Cudal2Error as exc:  # e.g. the LLM endpoint failed for good: keep what we have
                 out.stopped = f"the proposer failed: {exc}"
@@ -149,30 +189,7 @@ def optimize(ctx: Context, proposer: Proposer, budget: Budget, *, remeasure: boo
             if not built and not invalid:
                 out.stopped = "the proposer has nothing new"
                 break
-            improved = False
-            batch_rows = list(invalid)
-            try:  # one leaderboard part per batch, written even when the batch is interrupted
-                for item in built:
-                    if over_time():
-                        break
-                    binary = _binary_hash(item)
-                    if binary is not None and binary in seen_binaries:
-                        out.duplicates += 1
-                        continue
-                    if binary is not None:
-                        seen_binaries.add(binary)
-                    t0 = time.monotonic()
-                    row = measure_row(ctx, item)
-                    out.gpu_s += time.monotonic() - t0 if item.build.status == "ok" else 0.0
-                    batch_rows.append(row)
-                    out.rows.append(row)
-                    _extend(history, visible, [row])
-                    speedup = row.get(metric)
-                    if row["status"] == "ok" and speedup and speedup > best_speedup:
-                        best_speedup, improved = speedup, True
-                    emit("measured", {"row": row, "speedup": speedup, "best_speedup": best_speedup})
-            finally:
-                ctx.leaderboard.append(batch_rows)
+            improved = measure_batch(built, list(invalid))
             del in_flight[: len(built)]
             stale = 0 if improved else stale + 1
             if last:

@@ -7,7 +7,7 @@ crashes, hangs) become leaderboard rows with a status and a reason.
 from __future__ import annotations
 
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -158,11 +158,18 @@ class Built:
     build: Build
 
 
-def build_all(ctx: Context, candidates: list[Candidate], generation: int | None = None) -> list[Built]:
+def build_all(ctx: Context, candidates: list[Candidate], generation: int | None = None,
+              on_built: Callable[[Built], None] | None = None) -> list[Built]:
     """Renders and compiles every candidate, in parallel (no GPU needed); `generation`:
-    see Compiler.generation."""
+    see Compiler.generation; `on_built` hears of each candidate as its build finishes."""
     sources = [render(c, ctx.problem) for c in candidates]
-    return [Built(c, s, b) for c, s, b in zip(candidates, sources, ctx.compiler.compile_all(sources, generation))]
+
+    def finished(source: str, build: Build) -> None:
+        for candidate in (c for c, s in zip(candidates, sources) if s == source):
+            on_built(Built(candidate, source, build))
+
+    builds = ctx.compiler.compile_all(sources, generation, finished if on_built else None)
+    return [Built(c, s, b) for c, s, b in zip(candidates, sources, builds)]
 
 
 def measure_row(ctx: Context, item: Built) -> dict[str, Any]:

@@ -20,7 +20,7 @@ from cudal2_cli.optimize import Budget, optimize
 from cudal2_cli.pipeline import Context
 from cudal2_cli.problem import Problem
 from cudal2_cli.propose import HybridProposer, SearchProposer
-from cudal2_cli.render import get_template
+from cudal2_cli.render import get_template, render, template_candidate
 
 pytestmark = pytest.mark.nvcc
 
@@ -297,6 +297,28 @@ class Scripted:
 
     def propose(self, problem, history, n):
         return self.batches.pop(0) if self.batches else []
+
+
+def test_a_run_whose_time_ends_while_compiling_measures_what_was_built(tmp_path):
+    """The budget ends while the first batch compiles: the kernel already built is measured,
+    so the run does not end empty; the compile still running is stopped."""
+    import time as clock
+
+    from cudal2_cli.compile import Compiler
+
+    compiler = Compiler("sm_90a", tmp_path / "cache")
+    quick = template_candidate("sm80_mma", {}, 90)
+    problem = Problem(256, 256, 256)
+    compiler.compile(render(quick, problem))  # built before the run (a cache a CPU host filled)
+    slow = template_candidate("sm90_cutlass", {}, 90)  # a CUTLASS compile: about a minute
+    began = clock.monotonic()
+    out = optimize(context(tmp_path, compiler, StandInWorker()), Scripted([quick, slow]),
+                   Budget(iterations=2, batch=2, time_s=3.0))
+    assert clock.monotonic() - began < 30
+    assert out.stopped == "time budget spent (while the next batch compiled); the 1 kernel(s) built by then measured"
+    assert out.best is not None and out.best["kernel"] == str(quick) and out.exported.is_file()
+    measured = Leaderboard(tmp_path / "results").read()
+    assert list(measured[~measured["kernel"].isin(BASELINES)]["kernel"]) == [str(quick)]
 
 
 def test_invalid_and_unbuildable_proposals_become_rows(tmp_path, compiler):
