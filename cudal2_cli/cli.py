@@ -289,6 +289,9 @@ def optimize(
     seed: Annotated[int, typer.Option(help="seed of the search proposer")] = 0,
     llm_model: Annotated[Optional[str], typer.Option(help="LLM model name (llm, hybrid)")] = None,
     base_url: Annotated[Optional[str], typer.Option(help="OpenAI-compatible endpoint (llm, hybrid)")] = None,
+    replay: Annotated[Optional[Path], typer.Option(
+        help="a directory of saved replies (llm-round-<k>-reply.md, as a run saves them) standing in for the "
+             "endpoint (llm, hybrid)")] = None,
     mode: Annotated[str, typer.Option(help="offline | server: the mode that decides the best kernel")] = "offline",
     budget: Annotated[Optional[float], typer.Option(help="seconds of timing per kernel")] = None,
     remeasure: Annotated[bool, typer.Option(help="measure candidates again even if the leaderboard has them")] = False,
@@ -326,11 +329,14 @@ def optimize(
         raise Cudal2Error("--template/--param restrict the search proposer; use --proposer search or hybrid")
     if template:
         render_stage.get_template(template)
-    llm_settings = None
+    llm_settings, replies = None, None
+    if replay is not None and proposer == "search":
+        raise Cudal2Error("--replay stands in for the llm endpoint; use --proposer llm or hybrid")
     if proposer != "search":
-        from .llm import load_llm_settings
+        from .llm import ReplayClient, load_llm_settings
 
         llm_settings = load_llm_settings({"model": llm_model, "base_url": base_url})
+        replies = ReplayClient(replay) if replay is not None else None
     find_nvcc()
     leaderboard = Leaderboard(settings.results)
     leaderboard.read()  # an unreadable leaderboard fails before any measurement
@@ -351,7 +357,8 @@ def optimize(
         if llm_settings is not None:
             from .llm import LLMProposer
 
-            llm = LLMProposer(llm_settings, run_dir=settings.results / "runs" / run_id, cc=env["cc"], device=env)
+            llm = LLMProposer(llm_settings, run_dir=settings.results / "runs" / run_id, cc=env["cc"], device=env,
+                              client=replies)
 
         def context(problem: Problem) -> Context:
             return Context(problem, settings, worker, compiler, leaderboard, run_id, mode=mode,

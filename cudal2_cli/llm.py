@@ -38,7 +38,7 @@ class LLMSettings:
     model: str = "gpt-4o-mini"
     api_key_env: str = "OPENAI_API_KEY"  # the variable holding the key; the key is never stored
     temperature: float = 0.7
-    max_tokens: int = 4096
+    max_tokens: int = 16384  # per request; the prompt states it (a reply with a kernel runs to 5-6 K)
     timeout: float = 120.0  # seconds per request
     max_rounds: int = 20  # requests per optimize run; past it propose() returns []
     max_retries: int = 4  # the client's retries, with exponential backoff, on 429 / 5xx / no connection
@@ -112,12 +112,29 @@ class LLMProposer:
         return parse_reply(reply, problem, self.cc, n, label=f"llm-r{self.rounds}")
 
     def _ask(self, system: str, user: str) -> tuple[str, dict[str, Any]]:
+        """The model's reply; one cut off at the token limit is continued (up to
+        CONTINUATIONS more requests), so a block cut mid-way is completed, not lost."""
         start = time.perf_counter()
+        messages = [{"role": "system", "content": system}, {"role": "user", "content": user}]
+        reply, usage, cut = "", {"prompt_tokens": 0, "completion_tokens": 0, "total_tokens": 0}, False
+        for request in range(1 + CONTINUATIONS):
+            if request:
+                messages = [*messages[:2], {"role": "assistant", "content": reply}, {"role": "user", "content": CONTINUE}]
+            response = self._request(messages)
+            choice = response.choices[0] if response.choices else None
+            reply += (choice.message.content if choice else None) or ""
+            for name in usage:
+                usage[name] += getattr(response.usage, name, None) or 0
+            cut = bool(choice) and choice.finish_reason == "length"
+            if not cut:
+                break
+        return reply, {**usage, "cost": getattr(response.usage, "cost", None),  # some endpoints report it
+                       "requests": request + 1, "cut_off": cut, "seconds": round(time.perf_counter() - start, 3)}
+
+    def _request(self, messages: list[dict[str, str]]):
         try:
-            response = self.client.chat.completions.create(
-                model=self.settings.model,
-                messages=[{"role": "system", "content": system}, {"role": "user", "content": user}],
-                temperature=self.settings.temperature,
+            return self.client.chat.completions.create(
+                model=self.settings.model, messages=messages, temperature=self.settings.temperature,
                 max_tokens=self.settings.max_tokens,
             )
         except openai.APITimeoutError:
@@ -132,16 +149,6 @@ class LLMProposer:
             raise Cudal2Error(
                 f"llm endpoint {self.endpoint} answered HTTP {exc.status_code}: {self._scrub(exc.message)}"
             ) from None
-        seconds = time.perf_counter() - start
-        reply = (response.choices[0].message.content if response.choices else None) or ""
-        tokens = response.usage
-        return reply, {
-            "prompt_tokens": getattr(tokens, "prompt_tokens", None),
-            "completion_tokens": getattr(tokens, "completion_tokens", None),
-            "total_tokens": getattr(tokens, "total_tokens", None),
-            "cost": getattr(tokens, "cost", None),  # reported by some endpoints (e.g. OpenRouter)
-            "seconds": round(seconds, 3),
-        }
 
     def _scrub(self, text: str) -> str:
         """One line, without the API key (an endpoint may echo it in an error)."""
@@ -170,6 +177,7 @@ class LLMProposer:
         ][-6:]
         return {
             "problem": problem, "layout_help": LAYOUT_HELP[problem.layout], "cc": self.cc, "n": n,
+            "max_tokens": self.settings.max_tokens,
             "gpu": _gpu_facts(self.device, problem),
             "baseline_us": baseline_us,
             "baseline_tflops": problem.flops / baseline_us / 1e6 if baseline_us else None,
@@ -182,6 +190,33 @@ class LLMProposer:
                 {"kernel": _kernel(row), "status": row["status"], "reason": _reason(row)} for row in failures
             ],
         }
+
+
+# Sent when a reply stopped at the token limit (finish_reason "length").
+CONTINUE = "Your reply was cut off at the token limit. Continue exactly where it stopped, repeating nothing."
+CONTINUATIONS = 2
+
+
+class ReplayClient:
+    """Saved replies standing in for the endpoint: round k answers with `llm-round-<k>-reply.md`
+    of `directory` (the files an earlier run saved), so a round is reproducible offline."""
+
+    def __init__(self, directory: Path):
+        self.directory = Path(directory)
+        if not self.directory.is_dir():
+            raise Cudal2Error(f"no replay directory {self.directory}")
+        self.base_url = f"replay of {self.directory}"
+        self.served = 0
+        self.chat = self.completions = self  # client.chat.completions.create(...)
+
+    def create(self, **request):
+        self.served += 1
+        path = self.directory / f"llm-round-{self.served}-reply.md"
+        if not path.is_file():
+            raise Cudal2Error(f"the replay has no reply for round {self.served} ({path.name} in {self.directory})")
+        message = dataclasses.make_dataclass("Message", ["content"])(path.read_text())
+        choice = dataclasses.make_dataclass("Choice", ["message", "finish_reason"])(message, "stop")
+        return dataclasses.make_dataclass("Reply", ["choices", "usage"])([choice], None)
 
 
 def _client(settings: LLMSettings) -> openai.OpenAI:

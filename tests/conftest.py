@@ -85,6 +85,7 @@ class Step:
     status: int = 200
     delay: float = 0.0
     headers: dict = field(default_factory=dict)
+    finish_reason: str = "stop"  # "length": cut off at max_tokens
     usage: dict = field(default_factory=lambda: {"prompt_tokens": 1200, "completion_tokens": 300, "total_tokens": 1500})
 
 
@@ -126,7 +127,7 @@ def endpoint():
                     "id": f"chatcmpl-{len(state.requests)}", "object": "chat.completion", "created": int(time.time()),
                     "model": body["model"],
                     "choices": [{"index": 0, "message": {"role": "assistant", "content": step.content},
-                                 "finish_reason": "stop"}],
+                                 "finish_reason": step.finish_reason}],
                     "usage": step.usage,
                 }
             else:

@@ -272,3 +272,37 @@ def test_pending_candidates_are_not_shown_as_failures(endpoint, tmp_path):
     pending = {"kernel": "sm80_mma(pending-one)", "template": "sm80_mma", "params": "{}", "status": "pending"}
     make_proposer(endpoint, tmp_path).propose(PROBLEM, HISTORY + [pending], 2)
     assert "pending-one" not in endpoint.prompt()
+
+
+def test_a_reply_cut_off_at_the_token_limit_is_continued_not_lost(endpoint, tmp_path):
+    first = json.dumps({"template": "sm80_mma", "params": GOOD})
+    second = json.dumps({"template": "sm80_mma", "params": {**GOOD, "stages": 4}})
+    whole = "Bigger tiles win here.\n" + fenced("json", first) + "\n" + fenced("json", second)
+    cut = whole.index('"stages": 4')  # the reply stops inside the second block
+    endpoint.reply(whole[:cut], finish_reason="length").reply(whole[cut:])
+    proposer = make_proposer(endpoint, tmp_path)
+    proposals = proposer.propose(PROBLEM, [], 2)
+    assert [type(p).__name__ for p in proposals] == ["Candidate", "Candidate"]
+    assert len(endpoint.requests) == 2
+    follow_up = endpoint.requests[1]["body"]["messages"]
+    assert follow_up[2] == {"role": "assistant", "content": whole[:cut]} and "Continue exactly" in follow_up[3]["content"]
+    assert proposer.usage[0]["requests"] == 2 and not proposer.usage[0]["cut_off"]
+    assert proposer.usage[0]["prompt_tokens"] == 2400  # both requests counted
+    # the prompt states the budget the reply has
+    assert "up to 16384 tokens" in endpoint.prompt(0) and endpoint.requests[0]["body"]["max_tokens"] == 16384
+
+
+def test_saved_replies_replay_a_run_without_an_endpoint(tmp_path):
+    from cudal2_cli.llm import ReplayClient
+
+    saved = tmp_path / "saved"
+    saved.mkdir()
+    (saved / "llm-round-1-reply.md").write_text(fenced("json", json.dumps({"template": "sm80_mma", "params": GOOD})))
+    proposer = LLMProposer(LLMSettings(), run_dir=tmp_path / "run", cc=90, device=DEVICE, client=ReplayClient(saved))
+    [candidate] = proposer.propose(PROBLEM, [], 1)
+    assert isinstance(candidate, Candidate) and candidate.template == "sm80_mma"
+    assert (tmp_path / "run" / "llm-round-1-reply.md").read_text() == (saved / "llm-round-1-reply.md").read_text()
+    with pytest.raises(Cudal2Error, match="no reply for round 2"):
+        proposer.propose(PROBLEM, [], 1)
+    with pytest.raises(Cudal2Error, match="no replay directory"):
+        ReplayClient(tmp_path / "nowhere")

@@ -366,6 +366,8 @@ def test_optimize_rejects_bad_options_in_one_line(args, text, tmp_path):
     (("--model", "llama3-8b", "--tokens", "1,x"), "comma-separated integers"),
     (("--model", "llama3-8b", "--m", "64"), "not both"),
     (("--shapes", "missing.csv", "--model", "llama3-8b"), "a shape file or a model preset, not both"),
+    (("--m", "64", "--n", "64", "--k", "64", "--replay", "saved"), "--replay stands in for the llm endpoint"),
+    (("--m", "64", "--n", "64", "--k", "64", "--proposer", "llm", "--replay", "nowhere"), "no replay directory nowhere"),
 ])
 def test_optimize_names_a_bad_shape_set_in_one_line(args, text, tmp_path):
     result = CliRunner().invoke(app, ["optimize", "--results", str(tmp_path), *args])
@@ -463,3 +465,19 @@ def test_a_shape_set_is_tuned_in_one_run_and_a_killed_run_resumes(tmp_path, comp
     kernels = board[~board["kernel"].isin(BASELINES)]
     assert not kernels.duplicated(["m", "n", "k", "dtype", "layout", "source_hash"]).any()  # nothing measured twice
     assert set(zip(kernels["m"], kernels["dtype"])) == {(256, "fp16"), (128, "fp16"), (64, "bf16")}
+
+
+def test_a_round_replayed_from_saved_replies_runs_through_the_loop(tmp_path, compiler):
+    from conftest import fenced
+
+    from cudal2_cli.llm import LLMProposer, LLMSettings, ReplayClient
+
+    saved = tmp_path / "saved"
+    saved.mkdir()
+    example = (Path(__file__).parent.parent / "examples" / "simt_gemm_fp16_nn.cu").read_text()
+    (saved / "llm-round-1-reply.md").write_text("A plain kernel first.\n" + fenced("cuda", example))
+    llm = LLMProposer(LLMSettings(), run_dir=tmp_path / "run", cc=90, device=H200, client=ReplayClient(saved))
+    out = optimize(context(tmp_path, compiler, StandInWorker()), llm, Budget(iterations=2, batch=1))
+    kernels = [r for r in out.rows if r["kernel"] not in BASELINES]
+    assert [(r["status"], r["template"]) for r in kernels] == [("ok", None)]  # the free-form kernel, measured
+    assert "no reply for round 2" in out.stopped
