@@ -1,8 +1,8 @@
 """The `llm` proposer: asks an OpenAI-compatible endpoint for candidates, as CUDA-L1 does.
 
-Each round renders a contrastive prompt (prompts/*.md.j2): the problem, the GPU, the cuBLAS
-baseline, the fastest and slowest measured candidates with their resource stats, and recent
-failures with their reasons. The reply's fenced blocks become candidates (template parameter
+Each round renders a contrastive prompt (prompts/*.md.j2): the problem, the GPU, the fastest
+library call's time (the baseline), the fastest and slowest measured candidates with their
+resource stats, and recent failures with their reasons. The reply's fenced blocks become candidates (template parameter
 sets or free-form sources) or `Invalid` proposals, whose reasons the next round shows.
 """
 
