@@ -13,9 +13,9 @@ import statistics
 import sys
 from pathlib import Path
 
-from cudal2_cli.cost import measured_configurations, predict_us, recorded_device
-from cudal2_cli.leaderboard import Leaderboard
-from cudal2_cli.render import get_template
+from cudal2.cost import measured_configurations, predict_us, recorded_device
+from cudal2.leaderboard import Leaderboard
+from cudal2.render import get_template
 
 results = Path(sys.argv[1] if len(sys.argv) > 1 else "results")
 gpu = sys.argv[2] if len(sys.argv) > 2 else "NVIDIA H200"

@@ -31,7 +31,7 @@ out=${OUT:-gpu-run}
 mkdir -p "$out"
 export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 results=${RESULTS:-gpu-results}  # merged into results/ by hand after review
-cudal2() { python3 -m cudal2_cli "$@"; }
+cudal2() { python3 -m cudal2 "$@"; }
 # One line of scripts/sm90_grids.txt as --param arguments.
 grids() { grep -v '^#' scripts/sm90_grids.txt | grep -v '^ *$'; }
 params() { for p in $1; do printf -- '--param %s ' "$p"; done; }

@@ -37,14 +37,14 @@ import cupy
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from cudal2_cli.bench import FENCE_SOURCE
-from cudal2_cli.compile import Compiler
-from cudal2_cli.config import load_settings
-from cudal2_cli.environment import default_arch
-from cudal2_cli.problem import Problem
-from cudal2_cli.render import render, template_candidate
-from cudal2_cli.verify import Kernel, Numerics, Operands
-from cudal2_cli.baselines import cublas_gemm, torch_gemm
+from cudal2.bench import FENCE_SOURCE
+from cudal2.compile import Compiler
+from cudal2.config import load_settings
+from cudal2.environment import default_arch
+from cudal2.problem import Problem
+from cudal2.render import render, template_candidate
+from cudal2.verify import Kernel, Numerics, Operands
+from cudal2.baselines import cublas_gemm, torch_gemm
 
 FENCE_NAME = "cudal2_fence"
 FENCE = cupy.RawKernel(FENCE_SOURCE, FENCE_NAME)

@@ -17,11 +17,11 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from cudal2_cli.cli import parse_params  # noqa: E402
-from cudal2_cli.compile import Compiler  # noqa: E402
-from cudal2_cli.config import load_settings  # noqa: E402
-from cudal2_cli.problem import Problem  # noqa: E402
-from cudal2_cli.render import arch_cc, render, template_candidate, template_grid  # noqa: E402
+from cudal2.cli import parse_params  # noqa: E402
+from cudal2.compile import Compiler  # noqa: E402
+from cudal2.config import load_settings  # noqa: E402
+from cudal2.problem import Problem  # noqa: E402
+from cudal2.render import arch_cc, render, template_candidate, template_grid  # noqa: E402
 
 
 def grid_sources(path: Path, cc: int) -> list[str]:

@@ -5,7 +5,7 @@ check (scripts/remeasure.py) disagree (docs/h200-2026-12-01-protocol.md).
 
 For the first `--rows` rows of the shape set, the leaderboard's best kernel, cuBLASLt (the
 heuristic's first algorithm) and torch.matmul are timed through the protocol's own code
-(cudal2_cli/measure.py) in these variants:
+(cudal2/measure.py) in these variants:
 
 - `graph, no CUPTI`: the graph method before CUPTI is ever enabled in this process, behind
   the protocol's neighbour (264 blocks, grid-stride) and behind a torch-like elementwise
@@ -30,16 +30,16 @@ sys.path.insert(0, str(ROOT))
 
 import cupy  # noqa: E402
 
-from cudal2_cli.baselines import CublasLt, build_baselines, torch_gemm  # noqa: E402
-from cudal2_cli.bench import graph_rounds, kernel_rounds  # noqa: E402
-from cudal2_cli.compile import Compiler  # noqa: E402
-from cudal2_cli.config import load_settings  # noqa: E402
-from cudal2_cli.environment import default_arch  # noqa: E402
-from cudal2_cli.leaderboard import Leaderboard, best, select  # noqa: E402
-from cudal2_cli.measure import CuptiTimer, InputSets, graphs  # noqa: E402
-from cudal2_cli.shapes import read_shapes  # noqa: E402
-from cudal2_cli.verify import Kernel, Numerics, poison_output  # noqa: E402
-from cudal2_cli.worker import _abi_call  # noqa: E402
+from cudal2.baselines import CublasLt, build_baselines, torch_gemm  # noqa: E402
+from cudal2.bench import graph_rounds, kernel_rounds  # noqa: E402
+from cudal2.compile import Compiler  # noqa: E402
+from cudal2.config import load_settings  # noqa: E402
+from cudal2.environment import default_arch  # noqa: E402
+from cudal2.leaderboard import Leaderboard, best, select  # noqa: E402
+from cudal2.measure import CuptiTimer, InputSets, graphs  # noqa: E402
+from cudal2.shapes import read_shapes  # noqa: E402
+from cudal2.verify import Kernel, Numerics, poison_output  # noqa: E402
+from cudal2.worker import _abi_call  # noqa: E402
 
 VECTOR_NEIGHBOUR = r"""
 extern "C" __global__ void cudal2_vector_neighbour(float4* x, unsigned n4) {

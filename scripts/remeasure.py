@@ -37,11 +37,11 @@ from torch.autograd import DeviceType
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from cudal2_cli.baselines import build_baselines  # noqa: E402
-from cudal2_cli.shapes import read_shapes  # noqa: E402
-from cudal2_cli.compile import Compiler, default_cache_dir  # noqa: E402
-from cudal2_cli.leaderboard import Leaderboard, best, select  # noqa: E402
-from cudal2_cli.problem import Problem  # noqa: E402
+from cudal2.baselines import build_baselines  # noqa: E402
+from cudal2.shapes import read_shapes  # noqa: E402
+from cudal2.compile import Compiler, default_cache_dir  # noqa: E402
+from cudal2.leaderboard import Leaderboard, best, select  # noqa: E402
+from cudal2.problem import Problem  # noqa: E402
 
 SETS, GRAPH_CALLS, GRAPH_REPLAYS = 3, 20, 15
 

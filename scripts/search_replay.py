@@ -22,12 +22,12 @@ from pathlib import Path
 
 import pandas as pd
 
-from cudal2_cli.candidate import Candidate
-from cudal2_cli.cost import recorded_device
-from cudal2_cli.leaderboard import Leaderboard
-from cudal2_cli.problem import Problem
-from cudal2_cli.propose import SearchProposer
-from cudal2_cli.render import load_templates, recorded_params
+from cudal2.candidate import Candidate
+from cudal2.cost import recorded_device
+from cudal2.leaderboard import Leaderboard
+from cudal2.problem import Problem
+from cudal2.propose import SearchProposer
+from cudal2.render import load_templates, recorded_params
 
 WITHIN = 0.98  # of the best speedup: "within 2%"
 BATCH, PATIENCE = 8, 3

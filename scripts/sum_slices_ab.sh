@@ -7,7 +7,7 @@ set -uo pipefail
 out=${OUT:-gpu-run}
 mkdir -p "$out"
 for _ in $(seq "${ROUNDS:-3}"); do
-  python3 -m cudal2_cli bench --m 1024 --n 128 --k 16384 --budget 0.3 --results "${RESULTS:-gpu-results}" \
+  python3 -m cudal2 bench --m 1024 --n 128 --k 16384 --budget 0.3 --results "${RESULTS:-gpu-results}" \
     --kernel results/sources/bbc993345109233991220c02a1c5ddae484284ade8b1ac599af796c3bdf112ab.cu \
     --template sm90_cutlass --param kernel_schedule=warpspecialized --param tile_m=64 --param tile_n=128 \
     --param tile_k=64,128 --param cluster_m=1 --param splits=8 --param reduction=parallel --json \

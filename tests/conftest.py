@@ -16,7 +16,7 @@ from pathlib import Path
 import jinja2
 import pytest
 
-from cudal2_cli.compile import Compiler
+from cudal2.compile import Compiler
 
 ROOT = Path(__file__).resolve().parent.parent
 FIXTURES = Path(__file__).resolve().parent / "kernels"
@@ -60,7 +60,7 @@ def cache_dir(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="session")
 def arch() -> str:
-    from cudal2_cli.environment import default_arch
+    from cudal2.environment import default_arch
 
     return default_arch(gpu_cc()) if gpu_count() else "sm_90a"
 

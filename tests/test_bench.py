@@ -5,9 +5,9 @@ import random
 
 import pytest
 
-from cudal2_cli.bench import INPUT_SETS, OFFLINE_METHODS, claimed, graph_rounds, kernel_rounds
-from cudal2_cli.measure import window_totals
-from cudal2_cli.pipeline import timing_columns
+from cudal2.bench import INPUT_SETS, OFFLINE_METHODS, claimed, graph_rounds, kernel_rounds
+from cudal2.measure import window_totals
+from cudal2.pipeline import timing_columns
 
 
 class StandInTimer:
@@ -144,8 +144,8 @@ def test_a_study_protocol_row_keeps_cublas_as_its_baseline():
 
 
 def test_cublaslt_autotuning_keeps_the_fastest_algorithm_and_records_it():
-    from cudal2_cli.baselines import autotune
-    from cudal2_cli.problem import Problem
+    from cudal2.baselines import autotune
+    from cudal2.problem import Problem
 
     class StandInLt:
         selected = None

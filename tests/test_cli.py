@@ -3,8 +3,8 @@ import json
 import pytest
 from typer.testing import CliRunner
 
-from cudal2_cli.cli import app
-from cudal2_cli.leaderboard import Leaderboard
+from cudal2.cli import app
+from cudal2.leaderboard import Leaderboard
 
 from conftest import gpu_count
 from test_leaderboard import row
@@ -21,6 +21,13 @@ def test_help_lists_the_commands():
     assert result.exit_code == 0
     for command in ("bench", "leaderboard", "compile", "templates"):
         assert command in result.output
+
+
+def test_version_is_the_packages():
+    import cudal2
+
+    result = run("--version")
+    assert result.exit_code == 0 and result.output.strip() == f"cudal2 {cudal2.__version__}"
 
 
 def test_templates_json_describes_the_space():

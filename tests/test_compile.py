@@ -1,9 +1,9 @@
 import pytest
 
-from cudal2_cli.compile import Cancelled, Compiler, cache_key, parse_ptxas
-from cudal2_cli.problem import Problem
-from cudal2_cli.render import render, template_candidate
-from cudal2_cli.verify import forbidden_imports
+from cudal2.compile import Cancelled, Compiler, cache_key, parse_ptxas
+from cudal2.problem import Problem
+from cudal2.render import render, template_candidate
+from cudal2.verify import forbidden_imports
 
 from conftest import ROOT, fixture_source
 
@@ -123,8 +123,8 @@ def test_cutlass_sm90_template_compiles_with_allowed_imports(compiler):
 def sample_of_space(template: str, count: int, seed: int) -> list:
     import random
 
-    from cudal2_cli.candidate import Candidate
-    from cudal2_cli.render import get_template
+    from cudal2.candidate import Candidate
+    from cudal2.render import get_template
 
     configs = list(get_template(template).space.configurations(90))
     return [Candidate.from_template(template, c) for c in random.Random(seed).sample(configs, count)]

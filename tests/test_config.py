@@ -2,8 +2,8 @@ from pathlib import Path
 
 import pytest
 
-from cudal2_cli.config import load_settings
-from cudal2_cli.errors import Cudal2Error
+from cudal2.config import load_settings
+from cudal2.errors import Cudal2Error
 
 
 def test_precedence_cli_over_env_over_file_over_defaults(tmp_path, monkeypatch):

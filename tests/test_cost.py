@@ -1,8 +1,8 @@
 import math
 
-from cudal2_cli.cost import predict_us, rank
-from cudal2_cli.problem import Problem
-from cudal2_cli.render import get_template, load_templates
+from cudal2.cost import predict_us, rank
+from cudal2.problem import Problem
+from cudal2.render import get_template, load_templates
 
 H200 = {"cc": 90, "sm_count": 132, "max_sm_clock_mhz": 1980, "memory_clock_khz": 3201000, "memory_bus_bits": 6016}
 
@@ -88,8 +88,8 @@ def test_ranking_agrees_with_the_recorded_h200_measurements():
     import json
     from pathlib import Path
 
-    from cudal2_cli.cost import measured_configurations
-    from cudal2_cli.leaderboard import Leaderboard
+    from cudal2.cost import measured_configurations
+    from cudal2.leaderboard import Leaderboard
 
     df = Leaderboard(Path(__file__).resolve().parents[1] / "results").read(bench=None)
     checked = 0

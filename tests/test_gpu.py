@@ -12,16 +12,16 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-from cudal2_cli.candidate import Candidate
-from cudal2_cli.cli import app
-from cudal2_cli.config import Settings
-from cudal2_cli.leaderboard import BASELINES, Leaderboard
-from cudal2_cli.pipeline import Context, evaluate, measure_baselines
-from cudal2_cli.problem import Problem
-from cudal2_cli.render import get_template, render, template_candidate
-from cudal2_cli.verify import Kernel, Numerics, Operands, compare, trusted_error
-from cudal2_cli.baselines import cublas_gemm
-from cudal2_cli.worker import Worker
+from cudal2.candidate import Candidate
+from cudal2.cli import app
+from cudal2.config import Settings
+from cudal2.leaderboard import BASELINES, Leaderboard
+from cudal2.pipeline import Context, evaluate, measure_baselines
+from cudal2.problem import Problem
+from cudal2.render import get_template, render, template_candidate
+from cudal2.verify import Kernel, Numerics, Operands, compare, trusted_error
+from cudal2.baselines import cublas_gemm
+from cudal2.worker import Worker
 
 from conftest import ROOT, fixture_source, gpu_cc
 
@@ -204,7 +204,7 @@ def test_fenced_bench_reads_the_device_time_of_a_launch():
     about once a microsecond: first measured 11.67 and 21.66 us for 10 and 20.)"""
     import cupy
 
-    from cudal2_cli.bench import SPIN_SOURCE, bench_fenced
+    from cudal2.bench import SPIN_SOURCE, bench_fenced
 
     spin = cupy.RawKernel(SPIN_SOURCE, "cudal2_spin")
     stream = cupy.cuda.Stream(non_blocking=True)

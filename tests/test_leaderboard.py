@@ -5,9 +5,9 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from cudal2_cli.bench import PROTOCOL
-from cudal2_cli.errors import Cudal2Error
-from cudal2_cli.leaderboard import COLUMNS, SCHEMA, Leaderboard, best
+from cudal2.bench import PROTOCOL
+from cudal2.errors import Cudal2Error
+from cudal2.leaderboard import COLUMNS, SCHEMA, Leaderboard, best
 
 
 def row(kernel, speedup, status="ok", m=4096, source_hash=None, **extra):
@@ -68,7 +68,7 @@ def test_sources_are_stored_by_content_hash(tmp_path):
 
 
 def test_parts_from_before_the_bench_column_read_as_back_to_back(tmp_path):
-    """Offline times taken before the fence (cudal2_cli/bench.py) stay marked as such: their
+    """Offline times taken before the fence (cudal2/bench.py) stay marked as such: their
     speedups are not comparable with fenced ones for kernels that launch early."""
     lb = Leaderboard(tmp_path)
     lb.append([row("new", 1.0, bench="fenced")])

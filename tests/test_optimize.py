@@ -11,16 +11,16 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-from cudal2_cli.bench import PROTOCOL
-from cudal2_cli.candidate import Candidate, Invalid
-from cudal2_cli.cli import app
-from cudal2_cli.config import Settings
-from cudal2_cli.leaderboard import BASELINES, Leaderboard
-from cudal2_cli.optimize import Budget, optimize
-from cudal2_cli.pipeline import Context
-from cudal2_cli.problem import Problem
-from cudal2_cli.propose import HybridProposer, SearchProposer
-from cudal2_cli.render import get_template, render, template_candidate
+from cudal2.bench import PROTOCOL
+from cudal2.candidate import Candidate, Invalid
+from cudal2.cli import app
+from cudal2.config import Settings
+from cudal2.leaderboard import BASELINES, Leaderboard
+from cudal2.optimize import Budget, optimize
+from cudal2.pipeline import Context
+from cudal2.problem import Problem
+from cudal2.propose import HybridProposer, SearchProposer
+from cudal2.render import get_template, render, template_candidate
 
 pytestmark = pytest.mark.nvcc
 
@@ -131,7 +131,7 @@ def test_search_moves_to_a_value_never_measured_before_the_model_favourites(monk
     # A model that wrongly expects split_k=1 to be 3x slower. Every value one step from the
     # best kernel has been measured somewhere (in slower kernels two steps away), except
     # split_k=1: that move comes first.
-    import cudal2_cli.propose as propose
+    import cudal2.propose as propose
 
     monkeypatch.setattr(propose, "predict_us", lambda template, params, problem, device:
                         30.0 if params["split_k"] == 1 else 10.0)
@@ -153,7 +153,7 @@ def test_search_moves_to_a_value_never_measured_before_the_model_favourites(monk
 
 
 def test_correction_carries_what_one_value_measured_to_configurations_not_yet_measured():
-    from cudal2_cli.propose import Correction
+    from cudal2.propose import Correction
 
     a = {"block_m": 64, "split_k": 1}
     b = {"block_m": 64, "split_k": 2}
@@ -199,7 +199,7 @@ def test_nearest_winners_still_come_when_this_problem_has_only_a_weak_history():
 
 
 def test_search_stays_within_a_given_grid(tmp_path, compiler):
-    from cudal2_cli.render import template_grid
+    from cudal2.render import template_grid
 
     grid = template_grid("sm80_mma", {"block_m": ["64", "128"], "stages": ["3", "4"]}, 90)
     search = SearchProposer(H200, within=grid)
@@ -214,7 +214,7 @@ def test_first_batch_spans_the_models_distinct_predictions_nearest_the_defaults(
     # option to it: a first batch tries distinct ones, each as its template's defaults would
     # have it where the model cannot tell (a 3072x768x3072 search once spent all 16 kernels on
     # one tile shape's stage counts).
-    from cudal2_cli.cost import predict_us
+    from cudal2.cost import predict_us
 
     search, p = sm80_search(), Problem(512, 512, 512)
     template = get_template("sm80_mma")
@@ -267,7 +267,7 @@ def test_time_budget_is_honoured(tmp_path, compiler):
 def test_time_budget_does_not_wait_for_a_slow_compile(tmp_path):
     import time as clock
 
-    from cudal2_cli.compile import Compiler
+    from cudal2.compile import Compiler
 
     import threading
 
@@ -304,7 +304,7 @@ def test_a_run_whose_time_ends_while_compiling_measures_what_was_built(tmp_path)
     so the run does not end empty; the compile still running is stopped."""
     import time as clock
 
-    from cudal2_cli.compile import Compiler
+    from cudal2.compile import Compiler
 
     compiler = Compiler("sm_90a", tmp_path / "cache")
     quick = template_candidate("sm80_mma", {}, 90)
@@ -378,7 +378,7 @@ def test_optimize_names_a_bad_shape_set_in_one_line(args, text, tmp_path):
 def test_llm_proposals_from_a_loopback_endpoint_run_through_the_loop(tmp_path, compiler, endpoint, monkeypatch):
     from conftest import fenced
 
-    from cudal2_cli.llm import LLMProposer, LLMSettings
+    from cudal2.llm import LLMProposer, LLMSettings
 
     monkeypatch.setenv("OPENAI_API_KEY", "sk-test-not-written")
     example = (Path(__file__).parent.parent / "examples" / "simt_gemm_fp16_nn.cu").read_text()
@@ -401,24 +401,24 @@ def test_progress_is_plain_lines_in_logs_and_live_on_a_terminal(tmp_path, compil
 
     from rich.console import Console
 
-    from cudal2_cli import cli
+    from cudal2 import tables
 
-    with cli.progress_display(False, 2) as on_event:  # captured output is not a terminal
+    with tables.progress_display(False, 2) as on_event:  # captured output is not a terminal
         optimize(context(tmp_path, compiler, StandInWorker()), sm80_search(), Budget(iterations=1, batch=2), on_event=on_event)
     lines = capsys.readouterr().out.splitlines()
     assert lines[0] == "fastest baseline: cuBLASLt 95.00 us" and lines[1].startswith("batch 1: 2 to measure")
     assert sum(line.strip().startswith("ok") for line in lines) == 2
 
     screen = io.StringIO()
-    monkeypatch.setattr(cli, "console", Console(file=screen, force_terminal=True, width=200))
-    with cli.progress_display(False, 2) as on_event:
+    monkeypatch.setattr(tables, "console", Console(file=screen, force_terminal=True, width=200))
+    with tables.progress_display(False, 2) as on_event:
         optimize(context(tmp_path / "again", compiler, StandInWorker()), sm80_search(), Budget(iterations=1, batch=2),
                  on_event=on_event)
     assert "best " in screen.getvalue() and "2/2" in screen.getvalue()
 
 
 def test_best_is_judged_in_the_run_mode_and_ignores_missing_speedups():
-    from cudal2_cli.optimize import best_row
+    from cudal2.optimize import best_row
 
     rows = [{"kernel": "a", "status": "ok", "speedup_offline": 1.2, "speedup_server": float("nan")},
             {"kernel": "b", "status": "ok", "speedup_offline": 0.9, "speedup_server": 1.4},
@@ -443,7 +443,7 @@ class KilledWorker(StandInWorker):
 
 
 def shape_set_run(tmp_path, compiler, worker, problems):
-    from cudal2_cli.optimize import optimize_shapes
+    from cudal2.optimize import optimize_shapes
 
     def make(problem):
         return context(tmp_path, compiler, worker, problem)
@@ -470,7 +470,7 @@ def test_a_shape_set_is_tuned_in_one_run_and_a_killed_run_resumes(tmp_path, comp
 def test_a_round_replayed_from_saved_replies_runs_through_the_loop(tmp_path, compiler):
     from conftest import fenced
 
-    from cudal2_cli.llm import LLMProposer, LLMSettings, ReplayClient
+    from cudal2.llm import LLMProposer, LLMSettings, ReplayClient
 
     saved = tmp_path / "saved"
     saved.mkdir()

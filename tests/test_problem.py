@@ -1,7 +1,7 @@
 import pytest
 
-from cudal2_cli.errors import Cudal2Error
-from cudal2_cli.problem import Problem
+from cudal2.errors import Cudal2Error
+from cudal2.problem import Problem
 
 
 def test_problem_counts_flops_and_bytes():

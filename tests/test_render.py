@@ -2,10 +2,10 @@ import re
 
 import pytest
 
-from cudal2_cli.candidate import Candidate
-from cudal2_cli.errors import Cudal2Error
-from cudal2_cli.problem import Problem
-from cudal2_cli.render import get_template, load_templates, render, template_candidate, template_grid
+from cudal2.candidate import Candidate
+from cudal2.errors import Cudal2Error
+from cudal2.problem import Problem
+from cudal2.render import get_template, load_templates, render, template_candidate, template_grid
 
 
 def test_every_template_renders_its_default_for_every_dtype_and_layout():

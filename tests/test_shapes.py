@@ -2,9 +2,9 @@
 
 import pytest
 
-from cudal2_cli.errors import Cudal2Error
-from cudal2_cli.problem import Problem
-from cudal2_cli.shapes import MODELS, preset, read_shapes, shape_set
+from cudal2.errors import Cudal2Error
+from cudal2.problem import Problem
+from cudal2.shapes import MODELS, preset, read_shapes, shape_set
 
 
 def test_llama3_8b_preset_is_the_dev_sets_projections():

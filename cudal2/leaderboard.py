@@ -41,7 +41,7 @@ SCHEMA = pa.schema([
     ("server_us", _F), ("server_p20_us", _F), ("server_p80_us", _F), ("server_samples", _I),
     ("cublas_offline_us", _F), ("cublas_server_us", _F),
     ("speedup_offline", _F), ("speedup_server", _F), ("tflops", _F),
-    # how times were taken (cudal2_cli/bench.py): PROTOCOL, or an earlier offline protocol
+    # how times were taken (cudal2/bench.py): PROTOCOL, or an earlier offline protocol
     # ("fenced"; "back-to-back" for parts written before this column existed)
     ("bench", _S),
     # the protocol's two methods: CUPTI device time per call, and in a CUDA graph between

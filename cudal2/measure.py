@@ -1,5 +1,5 @@
 """Measure, in the GPU worker: a candidate and the baselines timed alike, by the protocol's
-two methods (cudal2_cli/bench.py), on rotating input sets whose every output is checked.
+two methods (cudal2/bench.py), on rotating input sets whose every output is checked.
 
 The kernel method reads CUPTI activity records through cupti-python: it needs no torch
 (CuPy owns the GPU here, torch is only one of the baselines) and sees every kernel, memset

@@ -2,19 +2,14 @@
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import json
-import math
-import sys
 import warnings
 from pathlib import Path
 from typing import Annotated, Any, Optional
 
 import pandas as pd
 import typer
-from rich.console import Console
-from rich.table import Table
 
 from . import render as render_stage
 from .candidate import Candidate
@@ -27,12 +22,27 @@ from .leaderboard import BASELINES, STATUSES, Leaderboard, best, select
 from .pipeline import Context, evaluate, measure_baselines, new_run_id
 from .problem import DTYPES, Problem
 from .shapes import MODELS, shape_set
+from .tables import (SHAPE_COLUMNS, console, emit_frame, err_console, fmt, jsonable, optimize_summary,
+                     print_bench_table, print_optimize_summary, progress_display, report_shapes, set_summary,
+                     show_table)
 from .worker import Worker
 
 app = typer.Typer(add_completion=False, no_args_is_help=True,
                   help="Find the fastest HGEMM kernel for your shapes on your GPU, honestly measured.")
-console = Console(highlight=False)
-err_console = Console(stderr=True, highlight=False)
+
+
+def _print_version(value: bool) -> None:
+    if value:
+        from . import __version__
+
+        print(f"cudal2 {__version__}")
+        raise typer.Exit()
+
+
+@app.callback()
+def _options(version: Annotated[bool, typer.Option(
+        "--version", callback=_print_version, is_eager=True, help="print the version and exit")] = False) -> None:
+    """Find the fastest HGEMM kernel for your shapes on your GPU, honestly measured."""
 
 M = Annotated[str, typer.Option("--m", help="rows of A and C")]
 N = Annotated[str, typer.Option("--n", help="columns of B and C")]
@@ -83,42 +93,6 @@ def read_kernel_file(path: Path) -> Candidate:
     except OSError as exc:
         raise Cudal2Error(f"cannot read kernel file {path}: {exc.strerror}") from None
 
-
-def show_table(headers: list[str], rows: list[list[str]]) -> None:
-    """A Rich table on a terminal; plain aligned lines otherwise (logs, pipes, CI)."""
-    if console.is_terminal:
-        table = Table()
-        for header in headers:
-            table.add_column(header, overflow="fold")
-        for row in rows:
-            table.add_row(*row)
-        console.print(table)
-        return
-    widths = [max(len(h), *(len(r[i]) for r in rows)) if rows else len(h) for i, h in enumerate(headers)]
-    for line in [headers, *rows]:
-        print("  ".join(cell.ljust(w) for cell, w in zip(line, widths)).rstrip())
-
-
-def fmt(value: Any, digits: int = 2) -> str:
-    if value is None or (isinstance(value, float) and math.isnan(value)):
-        return "-"
-    return f"{value:.{digits}f}" if isinstance(value, float) else str(value)
-
-
-def jsonable(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    def clean(v: Any) -> Any:
-        if isinstance(v, float) and math.isnan(v):
-            return None
-        if hasattr(v, "isoformat"):
-            return v.isoformat()
-        if hasattr(v, "item"):
-            return v.item()
-        return v
-
-    return [{k: clean(v) for k, v in row.items()} for row in rows]
-
-
-# ------------------------------------------------------------------------------ bench
 
 def known_candidates(problem: Problem, leaderboard: Leaderboard, rows: pd.DataFrame, cc: int,
                      top: int | None = None) -> list[Candidate]:
@@ -222,33 +196,6 @@ def bench(
     else:
         print_bench_table(rows, bench_protocol, mode)
 
-
-def print_bench_table(rows: list[dict[str, Any]], protocol: str, mode: str) -> None:
-    """One line per contestant: its time by each method, and its speedup against the fastest
-    baseline in each mode (offline: the lower of the kernel and graph ratios)."""
-    offline = ["offline"] if protocol in STUDY_PROTOCOLS else ["kernel", "graph"]
-    methods = {"offline": offline, "server": ["server"], "both": offline + ["server"]}[mode]
-    claims = ["offline", "server"] if mode == "both" else [mode]
-    headers = ["kernel", "status"]
-    for md in methods:
-        headers += [f"{md} us", "p20/p80"]
-    headers.append("TFLOP/s")
-    headers += [f"speedup ({md})" for md in claims]
-    lines = []
-    for row in rows:
-        status = row["status"]
-        if status != "ok":
-            status += ": " + ((row.get("error") or "").strip().splitlines() or [""])[0][:120]
-        cells = [row["kernel"], status]
-        for md in methods:
-            cells += [fmt(row.get(f"{md}_us")), f"{fmt(row.get(f'{md}_p20_us'))}/{fmt(row.get(f'{md}_p80_us'))}"]
-        cells.append(fmt(row.get("tflops"), 1))
-        cells += [fmt(row.get(f"speedup_{md}"), 3) for md in claims]
-        lines.append(cells)
-    show_table(headers, lines)
-
-
-# --------------------------------------------------------------------------- optimize
 
 ShapesOpt = Annotated[Optional[Path], typer.Option(
     "--shapes", help="a shape set: CSV with columns m, n, k[, dtype, layout] (instead of --m --n --k)")]
@@ -389,87 +336,6 @@ def optimize(
               f"wall {total['wall_s']:.1f} s")
 
 
-def optimize_summary(problem: Problem, env: dict[str, Any], outcome, run_id: str) -> dict[str, Any]:
-    return {
-        "problem": problem.__dict__, "gpu": env["gpu"], "baseline": outcome.baseline, "baseline_us": outcome.baseline_us,
-        "best": jsonable([outcome.best])[0] if outcome.best else None,
-        "exported": str(outcome.exported) if outcome.exported else None,
-        "statuses": outcome.statuses, "stopped": outcome.stopped, "duplicates": outcome.duplicates,
-        "wall_s": round(outcome.wall_s, 2), "gpu_s": round(outcome.gpu_s, 2), "compile_s": round(outcome.compile_s, 2),
-        "run_id": run_id,
-    }
-
-
-def set_summary(summaries: list[dict[str, Any]], mode: str) -> dict[str, Any]:
-    """Over a shape set's runs: how many found a verified kernel, the geometric mean and
-    minimum of their best speedups, the wall time."""
-    speedups = [s["best"][f"speedup_{mode}"] for s in summaries if s["best"] and s["best"].get(f"speedup_{mode}")]
-    return {"shapes": len(summaries), "tuned": len(speedups),
-            "geomean_speedup": math.exp(sum(map(math.log, speedups)) / len(speedups)) if speedups else None,
-            "min_speedup": min(speedups) if speedups else None,
-            "wall_s": round(sum(s["wall_s"] for s in summaries), 2)}
-
-
-def print_optimize_summary(outcome, mode: str) -> None:
-    best = outcome.best
-    print(f"fastest baseline: {outcome.baseline or '-'} {fmt(outcome.baseline_us)} us")
-    if best:
-        print(f"best: {best['kernel']}: {fmt(best[f'{mode}_us'])} us, {fmt(best[f'speedup_{mode}'], 3)}x the fastest "
-              f"library call ({best.get('baseline') or '-'}, {mode}) -> {outcome.exported}")
-    else:
-        print("best: no verified kernel")
-    print("candidates: " + ", ".join(f"{n} {s}" for s, n in sorted(outcome.statuses.items())) +
-          f"; {outcome.duplicates} skipped as already measured")
-    print(f"stopped: {outcome.stopped}; wall {outcome.wall_s:.1f} s, GPU {outcome.gpu_s:.1f} s, "
-          f"compile {outcome.compile_s:.1f} s")
-
-
-@contextlib.contextmanager
-def progress_display(quiet: bool, total: int):
-    """Live Rich progress on a terminal, one plain line per event otherwise, nothing
-    with --json. Yields the loop's event callback."""
-    if quiet:
-        yield None
-        return
-    if not console.is_terminal:
-        yield plain_progress
-        return
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
-
-    with Progress(SpinnerColumn(), TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
-                  TimeElapsedColumn(), console=console) as bar:
-        task = bar.add_task("measuring baselines", total=total)
-
-        def on_event(kind: str, info: dict[str, Any]) -> None:
-            if kind == "shape":
-                bar.console.print(f"[{info['index']}/{info['of']}] {info['problem']}")
-            elif kind == "batch":
-                bar.update(task, description=f"batch {info['iteration']}: compiling next, measuring {info['candidates']}")
-            elif kind == "measured":
-                row = info["row"]
-                bar.advance(task)
-                bar.console.print(f"{row['status']:<13} {fmt(info['speedup'], 3):>6}  {row['kernel']}")
-                bar.update(task, description=f"best {info['best_speedup']:.3f}x the fastest library call")
-
-        yield on_event
-
-
-def plain_progress(kind: str, info: dict[str, Any]) -> None:
-    """One line per event, for logs and pipes."""
-    if kind == "shape":
-        print(f"[{info['index']}/{info['of']}] {info['problem']}", flush=True)
-    elif kind == "baseline":
-        print(f"fastest baseline: {info['name'] or '-'} {fmt(info['us'])} us", flush=True)
-    elif kind == "batch":
-        print(f"batch {info['iteration']}: {info['candidates']} to measure, {info['invalid']} invalid", flush=True)
-    elif kind == "measured":
-        row = info["row"]
-        detail = fmt(info["speedup"], 3) if row["status"] == "ok" else ((row.get("error") or "").strip().splitlines() or [""])[0][:100]
-        print(f"  {row['status']:<13} {detail:<12} {row['kernel']}  (best {info['best_speedup']:.3f}x)", flush=True)
-
-
-# ------------------------------------------------------------------------ leaderboard
-
 @app.command("leaderboard")
 @cli_errors
 def leaderboard_cmd(
@@ -549,66 +415,6 @@ def export_rows(board: Leaderboard, results: Path, rows: pd.DataFrame) -> None:
     paths = [export_best(board, results, row) for row in rows.to_dict("records") if row.get("source_hash")]
     typer.echo(f"exported {len(paths)} kernel(s) to {results / 'best'}", err=True)
 
-
-# What a report shows of each best kernel: both methods, every baseline, the claim.
-SHAPE_COLUMNS = ["gpu", "m", "n", "k", "dtype", "layout", "kernel", "kernel_us", "graph_us", "baseline",
-                 "baseline_offline_us", "speedup_kernel", "speedup_graph", "speedup_vs_cublas", "speedup_vs_cublaslt",
-                 "speedup_vs_torch", "speedup_offline", "tflops", "bench"]
-
-
-def report_shapes(df: pd.DataFrame, problems: list[Problem], format: str) -> pd.DataFrame:
-    """The best kernel of every listed problem (per GPU), then the geometric mean and the
-    minimum of their speedups; a problem with no verified kernel is listed as missing.
-    Returns the winners' full rows."""
-    winners = best(df, 1)
-    chosen = []
-    columns = SHAPE_COLUMNS
-    rows = []
-    for p in problems:
-        found = select(winners, m=p.m, n=p.n, k=p.k, dtype=p.dtype, layout=p.layout)
-        if found.empty:
-            rows.append({"gpu": None, "m": p.m, "n": p.n, "k": p.k, "dtype": p.dtype, "layout": p.layout,
-                         "kernel": "(none measured)"})
-        rows += found[columns].to_dict("records")
-        chosen.append(found)
-    frame = pd.DataFrame(rows, columns=columns)
-    speedups = frame["speedup_offline"].dropna()
-    summary = {
-        "shapes": len(problems), "measured": int(len(speedups)), "missing": int(frame["speedup_offline"].isna().sum()),
-        "geomean_speedup": float(math.exp(sum(math.log(v) for v in speedups) / len(speedups))) if len(speedups) else None,
-        "min_speedup": float(speedups.min()) if len(speedups) else None,
-    }
-    if format == "json":
-        print(json.dumps({"rows": jsonable(frame.to_dict("records")), "summary": summary}, indent=1))
-    else:
-        emit_frame(frame, format)
-        if format != "csv":
-            print(f"{summary['measured']} of {summary['shapes']} shapes measured; speedup over the fastest library "
-                  "call (lower of CUPTI and graph): geometric "
-                  f"mean {fmt(summary['geomean_speedup'], 3)}, minimum {fmt(summary['min_speedup'], 3)}")
-    return pd.concat(chosen) if chosen else winners.iloc[0:0]
-
-
-def emit_frame(df: pd.DataFrame, format: str) -> None:
-    if format == "csv":
-        sys.stdout.write(df.to_csv(index=False))
-    elif format == "json":
-        print(json.dumps(jsonable(df.to_dict("records")), indent=1))
-    elif format == "markdown":
-        cells = [[fmt(v, 3) for v in row] for row in df.itertuples(index=False)]
-        print("| " + " | ".join(df.columns) + " |")
-        print("|" + "---|" * len(df.columns))
-        for row in cells:
-            print("| " + " | ".join(c.replace("|", "\\|").replace("\n", " ") for c in row) + " |")
-    elif df.empty:
-        print("no results match")
-    else:
-        show_table(list(df.columns), [
-            [fmt(v, 3) if not hasattr(v, "isoformat") else f"{v:%Y-%m-%d %H:%M}" for v in row]
-            for row in df.itertuples(index=False)])
-
-
-# ---------------------------------------------------------------------------- compile
 
 @app.command("compile")
 @cli_errors
