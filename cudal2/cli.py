@@ -11,21 +11,19 @@ from typing import Annotated, Any, Optional
 import pandas as pd
 import typer
 
+from . import api
 from . import render as render_stage
 from .candidate import Candidate
 from .bench import PROTOCOL, PROTOCOLS, STUDY_PROTOCOLS
 from .compile import Compiler, find_nvcc
 from .config import load_settings
-from .environment import default_arch
 from .errors import Cudal2Error
-from .leaderboard import BASELINES, STATUSES, Leaderboard, best, select
-from .pipeline import Context, evaluate, measure_baselines, new_run_id
+from .leaderboard import STATUSES, Leaderboard, best, select
 from .problem import DTYPES, Problem
 from .shapes import MODELS, shape_set
 from .tables import (SHAPE_COLUMNS, console, emit_frame, err_console, fmt, jsonable, optimize_summary,
                      print_bench_table, print_optimize_summary, progress_display, report_shapes, set_summary,
                      show_table)
-from .worker import Worker
 
 app = typer.Typer(add_completion=False, no_args_is_help=True,
                   help="Find the fastest HGEMM kernel for your shapes on your GPU, honestly measured.")
@@ -94,36 +92,6 @@ def read_kernel_file(path: Path) -> Candidate:
         raise Cudal2Error(f"cannot read kernel file {path}: {exc.strerror}") from None
 
 
-def known_candidates(problem: Problem, leaderboard: Leaderboard, rows: pd.DataFrame, cc: int,
-                     top: int | None = None) -> list[Candidate]:
-    """What `bench` measures when no kernel is named: the leaderboard's verified kernels for
-    this problem (of every bench protocol) plus every applicable template's default
-    configuration; with `top`, only the `top` fastest of each protocol, and no defaults."""
-    known = select(rows, m=problem.m, n=problem.n, k=problem.k, dtype=problem.dtype,
-                   layout=problem.layout, status="ok")
-    known = known[~known["kernel"].isin(BASELINES)]
-    if top is not None:
-        known = best(known, top)
-    known = known.drop_duplicates("source_hash")
-    found = []
-    for row in known.to_dict("records"):
-        # A template row re-renders with today's template (parameters added since take their
-        # defaults); one whose parameters left the space is measured from its stored source.
-        if (params := render_stage.recorded_params(row)) is not None:
-            found.append(Candidate.from_template(row["template"], params))
-        else:
-            found.append(Candidate.from_source(leaderboard.source(row["source_hash"]), label=row["kernel"]))
-    for name, tmpl in render_stage.load_templates().items() if top is None else ():
-        if tmpl.supports(problem, cc):
-            found.append(render_stage.template_candidate(name, {}, cc))
-    return list(dict.fromkeys(found))
-
-
-def first_error_line(log: str) -> str:
-    lines = [line.strip() for line in log.splitlines() if line.strip()]
-    return next((line for line in lines if "error" in line.lower()), lines[-1] if lines else "no output")
-
-
 @app.command()
 @cli_errors
 def bench(
@@ -167,30 +135,15 @@ def bench(
     grid = parse_params(param)
     if grid and not template:
         raise Cudal2Error("--param needs --template")
-    if template:
-        render_stage.get_template(template)
     named = [read_kernel_file(p) for p in kernel or []]
-    find_nvcc()
-    leaderboard = Leaderboard(settings.results)
-    recorded = leaderboard.read(bench=None)  # read now: an unreadable leaderboard fails before any measurement
-    with Worker(settings.device) as worker:
-        cc = render_stage.arch_cc(settings.arch) if settings.arch else worker.start()["cc"]
-        compiler = Compiler(settings.arch or default_arch(cc), settings.cache_dir, settings.jobs, settings.timeout)
-        if template:
-            named += render_stage.template_grid(template, grid, cc)
-        # What the user named must build; say so plainly, before any GPU time is spent.
-        for candidate, build in zip(named, compiler.compile_all([render_stage.render(c, problem) for c in named])):
-            if build.status != "ok":
-                raise Cudal2Error(f"{candidate} does not compile ({build.status}): {first_error_line(build.log)}")
-        env = worker.start()
-        candidates = named or known_candidates(problem, leaderboard, recorded, env["cc"], top)
-        ctx = Context(problem, settings, worker, compiler, leaderboard, new_run_id(), mode=mode,
-                      protocol=bench_protocol)
+
+    def started(env: dict[str, Any], count: int) -> None:
         if not json_out:
-            console.print(f"{problem} on {env['gpu']} (sm_{env['cc']}), {mode} mode, {bench_protocol}, "
-                          f"{len(candidates)} kernel(s)")
-        rows = measure_baselines(ctx)
-        rows += list(evaluate(ctx, candidates))
+            console.print(f"{problem} on {env['gpu']} (sm_{env['cc']}), {mode} mode, {bench_protocol}, {count} kernel(s)")
+
+    result = api.bench(problem, kernels=named, template=template, grid=grid, mode=mode, protocol=bench_protocol,
+                       top=top, settings=settings, on_start=started)
+    env, rows = result.environment, result.rows
     if json_out:
         print(json.dumps({"problem": problem.__dict__, "environment": env, "rows": jsonable(rows)}, indent=1))
     else:
@@ -257,9 +210,6 @@ def optimize(
     re-run measures nothing twice. The best kernel of each shape is exported to
     results/best/<gpu>/<dtype>_<layout>/<m>_<n>_<k>.cu.
     """
-    from .optimize import Budget, optimize_shapes as run_shapes
-    from .propose import HybridProposer, SearchProposer
-
     if mode not in ("offline", "server"):
         raise Cudal2Error(f"unknown mode {mode!r}; choose offline or server")
     if proposer not in ("search", "llm", "hybrid"):
@@ -269,57 +219,18 @@ def optimize(
             raise Cudal2Error(f"--{name} must be >= 1, got {value}")
     problems = problems_of(m, n, k, dtype or "fp16", layout, shapes, model, tokens, dtype is not None)
     settings = load_settings({"budget": budget, "results": results, "arch": arch})
-    grid = parse_params(param)
-    if grid and not template:
-        raise Cudal2Error("--param needs --template")
-    if template and proposer == "llm":
-        raise Cudal2Error("--template/--param restrict the search proposer; use --proposer search or hybrid")
-    if template:
-        render_stage.get_template(template)
-    llm_settings, replies = None, None
-    if replay is not None and proposer == "search":
-        raise Cudal2Error("--replay stands in for the llm endpoint; use --proposer llm or hybrid")
+    llm_settings = None
     if proposer != "search":
-        from .llm import ReplayClient, load_llm_settings
+        from .llm import load_llm_settings
 
         llm_settings = load_llm_settings({"model": llm_model, "base_url": base_url})
-        replies = ReplayClient(replay) if replay is not None else None
-    find_nvcc()
-    leaderboard = Leaderboard(settings.results)
-    leaderboard.read()  # an unreadable leaderboard fails before any measurement
-    with Worker(settings.device) as worker:
-        env = worker.start()
-        compiler = Compiler(settings.arch or default_arch(env["cc"]), settings.cache_dir, settings.jobs, settings.timeout)
-        run_id = new_run_id()
-
-        def cached(target: Problem, name: str, params: dict[str, Any]) -> bool:
-            return compiler.lookup(render_stage.render(Candidate.from_template(name, params), target)) is not None
-
-        within = None
-        if template:  # every configuration of the grid (or of the whole space), valid for this GPU
-            within = (render_stage.template_grid(template, grid, env["cc"]) if grid else
-                      [Candidate.from_template(template, p)
-                       for p in render_stage.get_template(template).space.configurations(env["cc"])])
-        llm = None
-        if llm_settings is not None:
-            from .llm import LLMProposer
-
-            llm = LLMProposer(llm_settings, run_dir=settings.results / "runs" / run_id, cc=env["cc"], device=env,
-                              client=replies)
-
-        def context(problem: Problem) -> Context:
-            return Context(problem, settings, worker, compiler, leaderboard, run_id, mode=mode,
-                           proposer=proposer, model=llm_settings.model if llm_settings else None)
-
-        def proposer_for(ctx: Context):
-            recorded = leaderboard.read()  # the shapes tuned before this one are priors too
-            prior = select(recorded, gpu=env["gpu"], status="ok").to_dict("records") if len(recorded) else []
-            search = SearchProposer(env, seed=seed, prior=prior, cached=cached, within=within)
-            return search if llm is None else llm if proposer == "llm" else HybridProposer(llm, search)
-
-        with progress_display(json_out, len(problems) * iterations * batch) as on_event:
-            outcomes = run_shapes(problems, context, proposer_for, Budget(iterations, batch, time_budget, patience),
-                                  remeasure=remeasure, on_event=on_event)
+    with progress_display(json_out, len(problems) * iterations * batch) as on_event:
+        tuned = api.optimize(problems, proposer=proposer, iterations=iterations, batch=batch, time_budget=time_budget,
+                             patience=patience, seed=seed, llm_settings=llm_settings, replay=replay,
+                             template=template, grid=parse_params(param), mode=mode, remeasure=remeasure,
+                             settings=settings, on_event=on_event)
+    outcomes = [t.outcome for t in tuned]
+    env, run_id = tuned[0].environment, tuned[0].run_id
     summaries = [optimize_summary(p, env, o, run_id) for p, o in zip(problems, outcomes)]
     if not json_out:
         for problem, outcome in zip(problems, outcomes):
@@ -464,7 +375,7 @@ def compile_cmd(
         show_table(columns, [[fmt(r[c]) for c in columns] for r in records])
         for r in records:
             if r["error"]:
-                err_console.print(f"{r['kernel']}: {first_error_line(r['error']) if r['error'].strip() else r['status']}")
+                err_console.print(f"{r['kernel']}: {api.first_error_line(r['error']) if r['error'].strip() else r['status']}")
     if any(b.status != "ok" for b in builds):
         raise typer.Exit(1)
 

@@ -1,6 +1,9 @@
+from pathlib import Path
+
 import pytest
 
-from cudal2.compile import Cancelled, Compiler, cache_key, parse_ptxas
+from cudal2.baselines import cublas_location
+from cudal2.compile import Cancelled, Compiler, cache_key, library_symbols, parse_ptxas
 from cudal2.problem import Problem
 from cudal2.render import render, template_candidate
 from cudal2.verify import forbidden_imports
@@ -144,3 +147,18 @@ def test_a_random_sample_of_the_sm90_space_compiles(compiler):
     sources = [render(c, p) for c, p in zip(sample_of_space("sm90_cutlass", 3, seed=5), problems)]
     builds = compiler.compile_all(sources)
     assert [b.status for b in builds] == ["ok"] * 3, [b.log[-1500:] for b in builds if b.status != "ok"]
+
+
+@pytest.mark.nvcc
+@pytest.mark.skipif(cublas_location() is None, reason="cuBLAS headers not installed (pip install nvidia-cublas)")
+def test_the_library_baselines_compile_behind_the_kernel_abi(compiler):
+    from cudal2.baselines import build_baselines
+
+    for problem in (Problem(64, 64, 64), Problem(16, 4096, 4096, "bf16", "nt")):
+        libraries = build_baselines(compiler, problem)
+        for name, path in libraries.items():
+            exports, imports = library_symbols(Path(path))
+            assert {"cudal2_gemm", "cudal2_workspace_bytes"} <= set(exports), name
+        assert "cudal2_lt_heuristics" in library_symbols(Path(libraries["cuBLASLt"]))[0]
+        assert "cublasGemmEx" in library_symbols(Path(libraries["cuBLAS"]))[1]
+        assert "cublasLtMatmul" in library_symbols(Path(libraries["cuBLASLt"]))[1]

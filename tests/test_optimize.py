@@ -11,9 +11,11 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
+from cudal2.baselines import cublas_location
 from cudal2.bench import PROTOCOL
 from cudal2.candidate import Candidate, Invalid
 from cudal2.cli import app
+from cudal2.errors import Cudal2Error
 from cudal2.config import Settings
 from cudal2.leaderboard import BASELINES, Leaderboard
 from cudal2.optimize import Budget, optimize
@@ -53,7 +55,7 @@ class StandInWorker:
         return self.environment
 
     def request(self, job, timeout):
-        assert job["libraries"] == STAND_IN_LIBRARIES and job["settings"]["protocol"] == PROTOCOL
+        assert set(job["libraries"]) == {"cuBLAS", "cuBLASLt"} and job["settings"]["protocol"] == PROTOCOL
         if job["op"] == "baselines":
             return {"status": "ok", "errors": {"cuBLAS": (1e-4, 1e-3), "cuBLASLt": (1e-4, 1e-3)},
                     "timings": both_methods(cuBLAS=100.0, cuBLASLt=95.0), "cublaslt": {"index": 3, "of": 8}}
@@ -481,3 +483,22 @@ def test_a_round_replayed_from_saved_replies_runs_through_the_loop(tmp_path, com
     kernels = [r for r in out.rows if r["kernel"] not in BASELINES]
     assert [(r["status"], r["template"]) for r in kernels] == [("ok", None)]  # the free-form kernel, measured
     assert "no reply for round 2" in out.stopped
+
+
+@pytest.mark.skipif(cublas_location() is None, reason="cuBLAS headers not installed (pip install nvidia-cublas)")
+def test_the_python_api_tunes_a_shape_set_end_to_end(tmp_path, cache_dir):
+    """import cudal2: optimize() over two shapes with the GPU worker stood in for (the
+    baselines' shims and the kernels compiled for real), then leaderboard() and bench()'s
+    bad input; the typed results carry each shape's best kernel."""
+    import cudal2
+    from cudal2.config import Settings
+
+    settings = Settings(results=tmp_path / "results", cache_dir=cache_dir, arch="sm_90a")
+    shapes = [cudal2.Problem(256, 256, 256), cudal2.Problem(64, 128, 256)]
+    tuned = cudal2.optimize(shapes, iterations=1, batch=2, settings=settings, worker=StandInWorker())
+    assert [t.problem for t in tuned] == shapes and all(t.best["status"] == "ok" for t in tuned)
+    assert all(t.outcome.baseline == "cuBLASLt" and t.environment["gpu"] == "NVIDIA H200" for t in tuned)
+    best = cudal2.leaderboard(results=settings.results, shapes=shapes)
+    assert sorted(best["m"]) == [64, 256] and (best["speedup_offline"] > 0).all()
+    with pytest.raises(Cudal2Error, match="unknown template"):
+        cudal2.bench(shapes[0], template="nope", settings=settings, worker=StandInWorker())

@@ -1,0 +1,199 @@
+"""The Python API (`import cudal2`): measure, tune and read results; the CLI parses, calls
+these and prints.
+
+    import cudal2
+    result = cudal2.bench(cudal2.Problem(4096, 4096, 4096))
+    [tuned] = cudal2.optimize([cudal2.Problem(16, 4096, 4096, "bf16", "nt")], iterations=2)
+    best = cudal2.leaderboard(shapes=cudal2.preset("llama3-8b", "16"))
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pandas as pd
+
+from . import render as render_stage
+from .bench import PROTOCOL
+from .candidate import Candidate
+from .compile import Compiler, find_nvcc
+from .config import Settings, load_settings
+from .environment import default_arch
+from .errors import Cudal2Error
+from .leaderboard import BASELINES, Leaderboard, best, select
+from .optimize import Budget, Event, Outcome, optimize_shapes
+from .pipeline import Context, evaluate, measure_baselines, new_run_id
+from .problem import Problem
+from .worker import Worker
+
+
+@dataclass
+class BenchResult:
+    """One problem measured: the environment and a leaderboard row per contestant."""
+
+    problem: Problem
+    environment: dict[str, Any]
+    rows: list[dict[str, Any]]
+
+
+@dataclass
+class TuneResult:
+    """One problem tuned: what the optimize loop did (its rows, best kernel, time)."""
+
+    problem: Problem
+    environment: dict[str, Any]
+    run_id: str
+    outcome: Outcome = field(repr=False)
+
+    @property
+    def best(self) -> dict[str, Any] | None:
+        return self.outcome.best
+
+
+def first_error_line(log: str) -> str:
+    lines = [line.strip() for line in log.splitlines() if line.strip()]
+    return next((line for line in lines if "error" in line.lower()), lines[-1] if lines else "no output")
+
+
+def known_candidates(problem: Problem, leaderboard: Leaderboard, rows: pd.DataFrame, cc: int,
+                     top: int | None = None) -> list[Candidate]:
+    """What `bench` measures when no kernel is named: the leaderboard's verified kernels for
+    this problem (of every bench protocol) plus every applicable template's default
+    configuration; with `top`, only the `top` fastest of each protocol, and no defaults."""
+    known = select(rows, m=problem.m, n=problem.n, k=problem.k, dtype=problem.dtype,
+                   layout=problem.layout, status="ok")
+    known = known[~known["kernel"].isin(BASELINES)]
+    if top is not None:
+        known = best(known, top)
+    known = known.drop_duplicates("source_hash")
+    found = []
+    for row in known.to_dict("records"):
+        # A template row re-renders with today's template (parameters added since take their
+        # defaults); one whose parameters left the space is measured from its stored source.
+        if (params := render_stage.recorded_params(row)) is not None:
+            found.append(Candidate.from_template(row["template"], params))
+        else:
+            found.append(Candidate.from_source(leaderboard.source(row["source_hash"]), label=row["kernel"]))
+    for name, tmpl in render_stage.load_templates().items() if top is None else ():
+        if tmpl.supports(problem, cc):
+            found.append(render_stage.template_candidate(name, {}, cc))
+    return list(dict.fromkeys(found))
+
+
+def _worker(settings: Settings, worker) -> contextlib.AbstractContextManager:
+    """The GPU worker to use: a given one (left open) or a new one (closed after)."""
+    return contextlib.nullcontext(worker) if worker is not None else Worker(settings.device)
+
+
+def bench(problem: Problem, *, kernels: list[Candidate] | None = None, template: str | None = None,
+          grid: dict[str, list[str]] | None = None, mode: str = "offline", protocol: str = PROTOCOL,
+          top: int | None = None, settings: Settings | None = None, worker=None,
+          on_start=None) -> BenchResult:
+    """Measures the baselines and kernels on one problem: `kernels` (free-form or template
+    candidates), a `template`'s `grid`, or else what the leaderboard holds for the problem
+    (`top`: its best of each protocol) and each template's default. A named kernel that
+    does not compile is an error, raised before any GPU time is spent. `on_start(env, n)`
+    hears of the device and the number of kernels before measuring."""
+    settings = settings or load_settings()
+    if template:
+        render_stage.get_template(template)
+    named = list(kernels or [])
+    find_nvcc()
+    leaderboard = Leaderboard(settings.results)
+    recorded = leaderboard.read(bench=None)  # an unreadable leaderboard fails before any measurement
+    with _worker(settings, worker) as gpu:
+        cc = render_stage.arch_cc(settings.arch) if settings.arch else gpu.start()["cc"]
+        compiler = Compiler(settings.arch or default_arch(cc), settings.cache_dir, settings.jobs, settings.timeout)
+        if template:
+            named += render_stage.template_grid(template, grid or {}, cc)
+        for candidate, build in zip(named, compiler.compile_all([render_stage.render(c, problem) for c in named])):
+            if build.status != "ok":
+                raise Cudal2Error(f"{candidate} does not compile ({build.status}): {first_error_line(build.log)}")
+        env = gpu.start()
+        candidates = named or known_candidates(problem, leaderboard, recorded, env["cc"], top)
+        ctx = Context(problem, settings, gpu, compiler, leaderboard, new_run_id(), mode=mode, protocol=protocol)
+        if on_start:
+            on_start(env, len(candidates))
+        rows = measure_baselines(ctx)
+        rows += list(evaluate(ctx, candidates))
+    return BenchResult(problem, env, rows)
+
+
+def optimize(problems: list[Problem] | Problem, *, proposer: str = "search", iterations: int = 10,
+             batch: int = 8, time_budget: float | None = None, patience: int | None = 3, seed: int = 0,
+             llm_settings=None, replay: Path | None = None, template: str | None = None,
+             grid: dict[str, list[str]] | None = None, mode: str = "offline", remeasure: bool = False,
+             settings: Settings | None = None, worker=None, on_event: Event | None = None) -> list[TuneResult]:
+    """Tunes each problem in turn (one worker, one compile cache; each warm-started from the
+    leaderboard, the shapes tuned before it included): `proposer` search | llm | hybrid
+    (`llm_settings`, or `replay`: a directory of saved replies standing in for the endpoint)."""
+    from .propose import HybridProposer, SearchProposer
+
+    problems = [problems] if isinstance(problems, Problem) else list(problems)
+    settings = settings or load_settings()
+    if grid and not template:
+        raise Cudal2Error("--param needs --template")
+    if template and proposer == "llm":
+        raise Cudal2Error("--template/--param restrict the search proposer; use --proposer search or hybrid")
+    if template:
+        render_stage.get_template(template)
+    if replay is not None and proposer == "search":
+        raise Cudal2Error("--replay stands in for the llm endpoint; use --proposer llm or hybrid")
+    replies = None
+    if proposer != "search":
+        from .llm import ReplayClient, load_llm_settings
+
+        llm_settings = llm_settings or load_llm_settings()
+        replies = ReplayClient(replay) if replay is not None else None
+    find_nvcc()
+    leaderboard = Leaderboard(settings.results)
+    leaderboard.read()  # an unreadable leaderboard fails before any measurement
+    with _worker(settings, worker) as gpu:
+        env = gpu.start()
+        compiler = Compiler(settings.arch or default_arch(env["cc"]), settings.cache_dir, settings.jobs, settings.timeout)
+        run_id = new_run_id()
+
+        def cached(target: Problem, name: str, params: dict[str, Any]) -> bool:
+            return compiler.lookup(render_stage.render(Candidate.from_template(name, params), target)) is not None
+
+        within = None
+        if template:  # every configuration of the grid (or of the whole space), valid for this GPU
+            within = (render_stage.template_grid(template, grid, env["cc"]) if grid else
+                      [Candidate.from_template(template, p)
+                       for p in render_stage.get_template(template).space.configurations(env["cc"])])
+        llm = None
+        if llm_settings is not None:
+            from .llm import LLMProposer
+
+            llm = LLMProposer(llm_settings, run_dir=settings.results / "runs" / run_id, cc=env["cc"], device=env,
+                              client=replies)
+
+        def context(problem: Problem) -> Context:
+            return Context(problem, settings, gpu, compiler, leaderboard, run_id, mode=mode,
+                           proposer=proposer, model=llm_settings.model if llm_settings else None)
+
+        def proposer_for(ctx: Context):
+            recorded = leaderboard.read()  # the shapes tuned before this one are priors too
+            prior = select(recorded, gpu=env["gpu"], status="ok").to_dict("records") if len(recorded) else []
+            search = SearchProposer(env, seed=seed, prior=prior, cached=cached, within=within)
+            return search if llm is None else llm if proposer == "llm" else HybridProposer(llm, search)
+
+        outcomes = optimize_shapes(problems, context, proposer_for, Budget(iterations, batch, time_budget, patience),
+                                   remeasure=remeasure, on_event=on_event)
+    return [TuneResult(p, env, run_id, o) for p, o in zip(problems, outcomes)]
+
+
+def leaderboard(*, results: Path | None = None, bench: str = PROTOCOL, shapes: list[Problem] | None = None,
+                top: int = 1, **filters: Any) -> pd.DataFrame:
+    """The best verified kernels per problem (the `top` of each), of one bench protocol:
+    of the shapes given, else of every problem matching `filters` (m, n, k, dtype, layout)."""
+    board = Leaderboard(results or load_settings().results)
+    df = best(select(board.read(bench), **filters), top)
+    if shapes is None:
+        return df
+    keys = ["m", "n", "k", "dtype", "layout"]
+    wanted = pd.DataFrame([p.__dict__ for p in shapes], columns=keys)
+    return wanted.merge(df, on=keys, how="inner")
