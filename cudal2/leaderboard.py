@@ -14,7 +14,7 @@ import pandas as pd
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from .baselines import NAMES as BASELINE_NAMES
+from .baselines import COLUMN, NAMES as BASELINE_NAMES
 from .bench import PROTOCOL
 from .errors import Cudal2Error
 
@@ -22,6 +22,7 @@ STATUSES = ("ok", "unsupported", "compile_error", "wrong", "cheat", "crash", "ti
 BASELINES = BASELINE_NAMES
 
 _I, _F, _S = pa.int64(), pa.float64(), pa.string()
+BASELINE_COLUMNS = list(COLUMN.values())  # each baseline's column prefix
 SCHEMA = pa.schema([
     ("run_id", _S), ("time", pa.timestamp("us", tz="UTC")),
     # environment
@@ -49,12 +50,12 @@ SCHEMA = pa.schema([
     ("kernel_us", _F), ("kernel_p20_us", _F), ("kernel_p80_us", _F), ("kernel_samples", _I),
     ("graph_us", _F), ("graph_p20_us", _F), ("graph_p80_us", _F), ("graph_samples", _I),
     # every baseline by every method, from the same run as the row
-    *[(f"{b}_{m}_us", _F) for m in ("kernel", "graph") for b in ("cublas", "cublaslt", "torch")],
-    ("cublaslt_server_us", _F), ("torch_server_us", _F),
+    *[(f"{b}_{m}_us", _F) for m in ("kernel", "graph") for b in BASELINE_COLUMNS],
+    *[(f"{b}_server_us", _F) for b in BASELINE_COLUMNS if b != "cublas"],  # cublas_server_us: above
     # speedups: per method against the fastest baseline, and (lower of the two methods)
     # against each baseline; `baseline` names the fastest in the claimed method
     ("speedup_kernel", _F), ("speedup_graph", _F),
-    ("speedup_vs_cublas", _F), ("speedup_vs_cublaslt", _F), ("speedup_vs_torch", _F),
+    *[(f"speedup_vs_{b}", _F) for b in BASELINE_COLUMNS],
     ("baseline", _S), ("baseline_offline_us", _F), ("baseline_server_us", _F),
     ("cublaslt_algo", _S),  # the autotuned cuBLASLt algorithm (JSON: index, of, id, tile, ...)
 ])
