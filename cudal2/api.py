@@ -10,6 +10,8 @@ these and prints.
 from __future__ import annotations
 
 import contextlib
+import os
+import threading
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -122,14 +124,39 @@ def bench(problem: Problem, *, kernels: list[Candidate] | None = None, template:
     return BenchResult(problem, env, rows)
 
 
+def gpu_indices(spec: str | None) -> list[int] | None:
+    """--gpus: "all" or "0,1,..." as device indices, each checked to exist; None for None."""
+    if spec is None:
+        return None
+    try:
+        import cupy
+
+        count = cupy.cuda.runtime.getDeviceCount()
+    except Exception as exc:  # no driver, no device, no CuPy
+        raise Cudal2Error(f"no usable CUDA device: {str(exc).splitlines()[0] if str(exc) else type(exc).__name__}") from None
+    if spec.strip() == "all":
+        return list(range(count))
+    try:
+        wanted = [int(part) for part in spec.split(",")]
+    except ValueError:
+        raise Cudal2Error(f"--gpus takes 'all' or comma-separated indices, got {spec!r}") from None
+    for index in wanted:
+        if not 0 <= index < count:
+            raise Cudal2Error(f"GPU {index} is not there ({count} GPU{'s' if count != 1 else ''}: 0-{count - 1})")
+    return list(dict.fromkeys(wanted))
+
+
 def optimize(problems: list[Problem] | Problem, *, proposer: str = "search", iterations: int = 10,
              batch: int = 8, time_budget: float | None = None, patience: int | None = 3, seed: int = 0,
              llm_settings=None, replay: Path | None = None, template: str | None = None,
              grid: dict[str, list[str]] | None = None, mode: str = "offline", remeasure: bool = False,
-             settings: Settings | None = None, worker=None, on_event: Event | None = None) -> list[TuneResult]:
-    """Tunes each problem in turn (one worker, one compile cache; each warm-started from the
-    leaderboard, the shapes tuned before it included): `proposer` search | llm | hybrid
-    (`llm_settings`, or `replay`: a directory of saved replies standing in for the endpoint)."""
+             settings: Settings | None = None, gpus: list[int] | None = None, workers: list | None = None,
+             on_event: Event | None = None) -> list[TuneResult]:
+    """Tunes every problem, each warm-started from the leaderboard (the shapes tuned before
+    it included): `proposer` search | llm | hybrid (`llm_settings`, or `replay`: a directory
+    of saved replies standing in for the endpoint). One GPU worker per device of `gpus`
+    (default: settings.device), each taking the next untuned shape; all share the compile
+    cache and the cores nvcc runs on. `workers` stands in for the GPU workers (tests)."""
     from .propose import HybridProposer, SearchProposer
 
     problems = [problems] if isinstance(problems, Problem) else list(problems)
@@ -151,38 +178,46 @@ def optimize(problems: list[Problem] | Problem, *, proposer: str = "search", ite
     find_nvcc()
     leaderboard = Leaderboard(settings.results)
     leaderboard.read()  # an unreadable leaderboard fails before any measurement
-    with _worker(settings, worker) as gpu:
-        env = gpu.start()
-        compiler = Compiler(settings.arch or default_arch(env["cc"]), settings.cache_dir, settings.jobs, settings.timeout)
+    with contextlib.ExitStack() as stack:
+        gpu_workers = workers or [stack.enter_context(Worker(d)) for d in (gpus or [settings.device])]
+        envs = [w.start() for w in gpu_workers]
+        env = envs[0]
+        if len({(e["gpu"], e["cc"], e.get("driver")) for e in envs}) > 1:
+            raise Cudal2Error("--gpus names GPUs of different models or drivers: " +
+                              ", ".join(f"{w.device}: {e['gpu']} ({e.get('driver')})" for w, e in zip(gpu_workers, envs)))
+        slots = threading.BoundedSemaphore(settings.jobs or os.cpu_count() or 1)
+        compilers = [Compiler(settings.arch or default_arch(env["cc"]), settings.cache_dir, settings.jobs,
+                              settings.timeout, slots) for _ in gpu_workers]
         run_id = new_run_id()
 
         def cached(target: Problem, name: str, params: dict[str, Any]) -> bool:
-            return compiler.lookup(render_stage.render(Candidate.from_template(name, params), target)) is not None
+            return compilers[0].lookup(render_stage.render(Candidate.from_template(name, params), target)) is not None
 
         within = None
         if template:  # every configuration of the grid (or of the whole space), valid for this GPU
             within = (render_stage.template_grid(template, grid, env["cc"]) if grid else
                       [Candidate.from_template(template, p)
                        for p in render_stage.get_template(template).space.configurations(env["cc"])])
-        llm = None
+        llms = [None] * len(gpu_workers)
         if llm_settings is not None:
             from .llm import LLMProposer
 
-            llm = LLMProposer(llm_settings, run_dir=settings.results / "runs" / run_id, cc=env["cc"], device=env,
-                              client=replies)
+            llms = [LLMProposer(llm_settings, run_dir=settings.results / "runs" / run_id / f"gpu{w.device}",
+                                cc=env["cc"], device=env, client=replies) for w in gpu_workers]
 
-        def context(problem: Problem) -> Context:
-            return Context(problem, settings, gpu, compiler, leaderboard, run_id, mode=mode,
+        def context(problem: Problem, slot: int) -> Context:
+            return Context(problem, settings, gpu_workers[slot], compilers[slot], leaderboard, run_id, mode=mode,
                            proposer=proposer, model=llm_settings.model if llm_settings else None)
 
         def proposer_for(ctx: Context):
             recorded = leaderboard.read()  # the shapes tuned before this one are priors too
             prior = select(recorded, gpu=env["gpu"], status="ok").to_dict("records") if len(recorded) else []
             search = SearchProposer(env, seed=seed, prior=prior, cached=cached, within=within)
+            llm = llms[compilers.index(ctx.compiler)]
             return search if llm is None else llm if proposer == "llm" else HybridProposer(llm, search)
 
         outcomes = optimize_shapes(problems, context, proposer_for, Budget(iterations, batch, time_budget, patience),
-                                   remeasure=remeasure, on_event=on_event)
+                                   workers=len(gpu_workers), remeasure=remeasure, on_event=on_event)
     return [TuneResult(p, env, run_id, o) for p, o in zip(problems, outcomes)]
 
 

@@ -198,6 +198,8 @@ def optimize(
     template: Annotated[Optional[str], typer.Option(
         "--template", help="search only this template's configurations (with --param: only that grid)")] = None,
     param: Params = None,
+    gpus: Annotated[Optional[str], typer.Option(
+        help="all | 0,1,...: one GPU worker per device, the shapes spread over them (same GPU model and driver)")] = None,
     results: Results = None,
     arch: Arch = None,
     json_out: Json = False,
@@ -228,7 +230,7 @@ def optimize(
         tuned = api.optimize(problems, proposer=proposer, iterations=iterations, batch=batch, time_budget=time_budget,
                              patience=patience, seed=seed, llm_settings=llm_settings, replay=replay,
                              template=template, grid=parse_params(param), mode=mode, remeasure=remeasure,
-                             settings=settings, on_event=on_event)
+                             settings=settings, gpus=api.gpu_indices(gpus), on_event=on_event)
     outcomes = [t.outcome for t in tuned]
     env, run_id = tuned[0].environment, tuned[0].run_id
     summaries = [optimize_summary(p, env, o, run_id) for p, o in zip(problems, outcomes)]

@@ -168,11 +168,13 @@ class Compiler:
     """
 
     def __init__(self, arch: str, cache_dir: Path | None = None, jobs: int | None = None,
-                 timeout: float = 600.0):
+                 timeout: float = 600.0, slots: threading.Semaphore | None = None):
         self.arch = arch
         self.root = (cache_dir or default_cache_dir()) / "kernels"
         self.jobs = jobs or os.cpu_count() or 1
         self.timeout = timeout
+        # nvcc processes at once; compilers that share `slots` (one per GPU worker) share the cores
+        self.slots = slots or threading.BoundedSemaphore(self.jobs)
         self._lock = threading.Lock()
         self._running: set[subprocess.Popen] = set()
         self._generation = 0  # compiles started before the latest cancel() belong to older ones
@@ -193,22 +195,23 @@ class Compiler:
 
     def _run_nvcc(self, cmd: list[str], cwd: Path, generation: int) -> tuple[int, str]:
         """nvcc's exit code and output; Cancelled if cancel() came since `generation`."""
-        with self._lock:
-            if generation != self._generation:
-                raise Cancelled("compile cancelled")
-            # Its own process group: cancelling or a timeout kills nvcc's cicc and ptxas too.
-            proc = subprocess.Popen(cmd, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                                    start_new_session=True)
-            self._running.add(proc)
-        try:
-            out, _ = proc.communicate(timeout=self.timeout)
-        except subprocess.TimeoutExpired:
-            _kill_group(proc)
-            proc.communicate()
-            raise
-        finally:
+        with self.slots:
             with self._lock:
-                self._running.discard(proc)
+                if generation != self._generation:
+                    raise Cancelled("compile cancelled")
+                # Its own process group: cancelling or a timeout kills nvcc's cicc and ptxas too.
+                proc = subprocess.Popen(cmd, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                        start_new_session=True)
+                self._running.add(proc)
+            try:
+                out, _ = proc.communicate(timeout=self.timeout)
+            except subprocess.TimeoutExpired:
+                _kill_group(proc)
+                proc.communicate()
+                raise
+            finally:
+                with self._lock:
+                    self._running.discard(proc)
         if generation != self._generation:
             raise Cancelled("compile cancelled")
         return proc.returncode, out

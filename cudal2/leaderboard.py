@@ -58,6 +58,7 @@ SCHEMA = pa.schema([
     *[(f"speedup_vs_{b}", _F) for b in BASELINE_COLUMNS],
     ("baseline", _S), ("baseline_offline_us", _F), ("baseline_server_us", _F),
     ("cublaslt_algo", _S),  # the autotuned cuBLASLt algorithm (JSON: index, of, id, tile, ...)
+    ("device", _I),  # the GPU's index on its host (rows of a multi-GPU run)
 ])
 COLUMNS = SCHEMA.names
 # Parts written before the protocol column existed were timed back to back.

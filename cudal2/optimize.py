@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import hashlib
 import re
+import threading
 import time
 from collections import Counter
 from collections.abc import Callable
@@ -208,19 +209,48 @@ def optimize(ctx: Context, proposer: Proposer, budget: Budget, *, remeasure: boo
     return out
 
 
-def optimize_shapes(problems: list[Problem], context: Callable[[Problem], Context],
-                    proposer: Callable[[Context], Proposer], budget: Budget, *, remeasure: bool = False,
-                    on_event: Event | None = None) -> list[Outcome]:
-    """optimize() for each problem in turn, on one worker and one compile cache: a context
-    and a proposer are made for each (so each warm-starts from the shapes tuned before it).
-    Each batch's rows are in the leaderboard as it ends, so a killed run keeps them and a
-    re-run measures nothing twice; `on_event` also hears ("shape", {index, of, problem})."""
+def optimize_shapes(problems: list[Problem], context: Callable[[Problem, int], Context],
+                    proposer: Callable[[Context], Proposer], budget: Budget, *, workers: int = 1,
+                    remeasure: bool = False, on_event: Event | None = None) -> list[Outcome]:
+    """optimize() for every problem; `context(problem, worker)` makes its context on GPU
+    worker number `worker` (0 .. workers - 1), and a proposer is made for each (so each
+    warm-starts from the shapes tuned before it). With several workers, one thread drives
+    each, taking the next untuned shape as it finishes one. Each batch's rows are in the
+    leaderboard as it ends, so a killed run keeps them and a re-run measures nothing twice;
+    `on_event` also hears ("shape", {index, of, problem, worker}). Outcomes come in the
+    problems' order."""
     emit = on_event or (lambda kind, info: None)
-    outcomes = []
-    for index, problem in enumerate(problems, start=1):
-        emit("shape", {"index": index, "of": len(problems), "problem": problem})
-        ctx = context(problem)
-        outcomes.append(optimize(ctx, proposer(ctx), budget, remeasure=remeasure, on_event=on_event))
+    outcomes: list[Outcome | None] = [None] * len(problems)
+    pending = iter(list(enumerate(problems, start=1)))
+    lock = threading.Lock()
+    failures: list[BaseException] = []
+
+    def drain(worker: int) -> None:
+        while not failures:
+            with lock:
+                item = next(pending, None)
+            if item is None:
+                return
+            index, problem = item
+            emit("shape", {"index": index, "of": len(problems), "problem": problem, "worker": worker})
+            ctx = context(problem, worker)
+            try:
+                outcomes[index - 1] = optimize(ctx, proposer(ctx), budget, remeasure=remeasure, on_event=on_event)
+            except BaseException as exc:  # Ctrl-C, or an unknown failure: the others stop after their shape
+                failures.append(exc)
+                return
+
+    if workers == 1:
+        drain(0)
+    else:
+        threads = [threading.Thread(target=drain, args=(w,), name=f"cudal2-gpu-{w}", daemon=True)
+                   for w in range(workers)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+    if failures:
+        raise failures[0]
     return outcomes
 
 

@@ -55,6 +55,7 @@ class Context:
             "run_id": self.run_id, **{c: env.get(c) for c in ENV_COLUMNS}, **toolchain(),
             "arch": self.compiler.arch, "m": p.m, "n": p.n, "k": p.k, "dtype": p.dtype,
             "layout": p.layout, "proposer": self.proposer, "model": self.model, "bench": self.protocol,
+            "device": self.worker.device,
         }
 
     def job(self, op: str, **extra: Any) -> dict[str, Any]:

@@ -24,6 +24,8 @@ from cudal2.problem import Problem
 from cudal2.propose import HybridProposer, SearchProposer
 from cudal2.render import get_template, render, template_candidate
 
+from conftest import gpu_count
+
 pytestmark = pytest.mark.nvcc
 
 H200 = {"gpu": "NVIDIA H200", "cc": 90, "sm_count": 132, "max_sm_clock_mhz": 1980, "sm_clock_mhz": 1980,
@@ -47,7 +49,8 @@ class StandInWorker:
 
     environment = H200
 
-    def __init__(self, times: list[float] | None = None):
+    def __init__(self, times: list[float] | None = None, device: int = 0):
+        self.device = device
         self.times = list(times or [])
         self.kernels: list[str] = []
 
@@ -447,7 +450,7 @@ class KilledWorker(StandInWorker):
 def shape_set_run(tmp_path, compiler, worker, problems):
     from cudal2.optimize import optimize_shapes
 
-    def make(problem):
+    def make(problem, slot):
         return context(tmp_path, compiler, worker, problem)
 
     return optimize_shapes(problems, make, lambda ctx: sm80_search(), Budget(iterations=1, batch=2, patience=None))
@@ -495,10 +498,41 @@ def test_the_python_api_tunes_a_shape_set_end_to_end(tmp_path, cache_dir):
 
     settings = Settings(results=tmp_path / "results", cache_dir=cache_dir, arch="sm_90a")
     shapes = [cudal2.Problem(256, 256, 256), cudal2.Problem(64, 128, 256)]
-    tuned = cudal2.optimize(shapes, iterations=1, batch=2, settings=settings, worker=StandInWorker())
+    tuned = cudal2.optimize(shapes, iterations=1, batch=2, settings=settings, workers=[StandInWorker()])
     assert [t.problem for t in tuned] == shapes and all(t.best["status"] == "ok" for t in tuned)
     assert all(t.outcome.baseline == "cuBLASLt" and t.environment["gpu"] == "NVIDIA H200" for t in tuned)
     best = cudal2.leaderboard(results=settings.results, shapes=shapes)
     assert sorted(best["m"]) == [64, 256] and (best["speedup_offline"] > 0).all()
     with pytest.raises(Cudal2Error, match="unknown template"):
         cudal2.bench(shapes[0], template="nope", settings=settings, worker=StandInWorker())
+
+
+@pytest.mark.skipif(cublas_location() is None, reason="cuBLAS headers not installed (pip install nvidia-cublas)")
+def test_a_shape_set_spreads_over_every_gpu_worker(tmp_path, cache_dir):
+    """Two GPU workers (stood in for) share four shapes: each takes the next untuned one,
+    every row records the device it was measured on, and each shape's kernels are ranked
+    within its own device's run."""
+    import cudal2
+    from cudal2.config import Settings
+
+    settings = Settings(results=tmp_path / "results", cache_dir=cache_dir, arch="sm_90a")
+    shapes = [cudal2.Problem(m, 256, 256) for m in (64, 128, 256, 512)]
+    workers = [StandInWorker(device=0), StandInWorker(device=1)]
+    tuned = cudal2.optimize(shapes, iterations=1, batch=2, settings=settings, workers=workers)
+    assert [t.problem for t in tuned] == shapes and all(t.best is not None for t in tuned)
+    assert all(w.kernels for w in workers)  # both measured
+    rows = Leaderboard(settings.results).read()
+    assert set(rows["device"]) == {0, 1}
+    for shape in tuned:
+        assert rows[rows["m"] == shape.problem.m]["device"].nunique() == 1  # one shape, one device
+    mixed = [StandInWorker(device=0), StandInWorker(device=1)]
+    mixed[1].environment = {**H200, "gpu": "NVIDIA H100 80GB HBM3"}
+    with pytest.raises(Cudal2Error, match="different models or drivers"):
+        cudal2.optimize(shapes, iterations=1, batch=1, settings=settings, workers=mixed)
+
+
+@pytest.mark.skipif(gpu_count() > 0, reason="this machine has a GPU")
+def test_gpus_on_a_machine_without_one_is_a_one_line_error(tmp_path):
+    result = CliRunner().invoke(app, ["optimize", "--m", "64", "--n", "64", "--k", "64", "--gpus", "all",
+                                      "--results", str(tmp_path)])
+    assert result.exit_code == 1 and "no usable CUDA device" in result.output and len(result.output.strip().splitlines()) == 1
