@@ -221,6 +221,51 @@ def optimize(problems: list[Problem] | Problem, *, proposer: str = "search", ite
     return [TuneResult(p, env, run_id, o) for p, o in zip(problems, outcomes)]
 
 
+@dataclass
+class CheckResult:
+    """Each shape's best kernel measured again: `rows` (shape, kernel, recorded and measured
+    speedup, status, passed) and whether all passed `fail_under`."""
+
+    fail_under: float
+    rows: list[dict[str, Any]]
+
+    @property
+    def passed(self) -> bool:
+        return all(row["passed"] for row in self.rows)
+
+
+def check(shapes: list[Problem] | None = None, *, fail_under: float = 1.0, settings: Settings | None = None,
+          worker=None) -> CheckResult:
+    """Measures the leaderboard's best kernel of each shape (every problem it has, if no
+    shapes are given) again on this GPU, from its stored source, against the baselines: after
+    a driver or CUDA upgrade, or in CI. A shape passes when its kernel verifies and its
+    speedup is at least `fail_under`; a shape with no kernel fails."""
+    settings = settings or load_settings()
+    board = Leaderboard(settings.results)
+    if not board.parts.exists():
+        raise Cudal2Error(f"no leaderboard in {settings.results} (nothing measured there yet, or another --results)")
+    winners = best(board.read(), 1)
+    if shapes is None:
+        shapes = [Problem(int(r.m), int(r.n), int(r.k), r.dtype, r.layout) for r in winners.itertuples()]
+    rows = []
+    with _worker(settings, worker) as gpu:
+        for problem in shapes:
+            found = select(winners, m=problem.m, n=problem.n, k=problem.k, dtype=problem.dtype, layout=problem.layout)
+            record = {"problem": str(problem), "kernel": None, "recorded": None, "measured": None,
+                      "status": "no kernel", "passed": False}
+            if not found.empty:
+                claim = found.iloc[0]
+                kernel = Candidate.from_source(board.source(claim["source_hash"]), label=claim["kernel"])
+                measured = next(r for r in bench(problem, kernels=[kernel], settings=settings, worker=gpu).rows
+                                if r["kernel"] == claim["kernel"])
+                speedup = measured.get("speedup_offline")
+                record.update(kernel=claim["kernel"], recorded=float(claim["speedup_offline"]), measured=speedup,
+                              status=measured["status"],
+                              passed=measured["status"] == "ok" and speedup is not None and speedup >= fail_under)
+            rows.append(record)
+    return CheckResult(fail_under, rows)
+
+
 def leaderboard(*, results: Path | None = None, bench: str = PROTOCOL, shapes: list[Problem] | None = None,
                 top: int = 1, **filters: Any) -> pd.DataFrame:
     """The best verified kernels per problem (the `top` of each), of one bench protocol:

@@ -329,6 +329,38 @@ def export_rows(board: Leaderboard, results: Path, rows: pd.DataFrame) -> None:
     typer.echo(f"exported {len(paths)} kernel(s) to {results / 'best'}", err=True)
 
 
+@app.command()
+@cli_errors
+def check(
+    shapes: Annotated[Optional[Path], typer.Option(help="a shape set (CSV m,n,k[,dtype,layout]); default: every "
+                                                         "problem of the leaderboard")] = None,
+    model: ModelOpt = None,
+    tokens: TokensOpt = None,
+    dtype: Annotated[Optional[str], typer.Option(help="a preset's dtype (default bf16)")] = None,
+    fail_under: Annotated[str, typer.Option(help="the lowest speedup that passes")] = "1.0",
+    results: Results = None,
+    json_out: Json = False,
+) -> None:
+    """Measure each shape's best kernel again on this GPU against the baselines (after a
+    driver or CUDA upgrade, in CI); exit 3 when any falls below --fail-under."""
+    try:
+        threshold = float(fail_under)
+    except ValueError:
+        raise Cudal2Error(f"--fail-under takes a number, got {fail_under!r}") from None
+    settings = load_settings({"results": results})
+    outcome = api.check(shape_set(shapes, model, tokens, dtype), fail_under=threshold, settings=settings)
+    if json_out:
+        print(json.dumps({"fail_under": threshold, "passed": outcome.passed, "rows": jsonable(outcome.rows)}, indent=1))
+    else:
+        show_table(["shape", "kernel", "recorded", "measured", "status", "pass"],
+                   [[r["problem"], r["kernel"] or "-", fmt(r["recorded"], 3), fmt(r["measured"], 3), r["status"],
+                     "yes" if r["passed"] else "NO"] for r in outcome.rows])
+        print(f"{sum(r['passed'] for r in outcome.rows)} of {len(outcome.rows)} shapes at or above {threshold:g}x "
+              "the fastest library call")
+    if not outcome.passed:
+        raise typer.Exit(3)
+
+
 @app.command("compile")
 @cli_errors
 def compile_cmd(

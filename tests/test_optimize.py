@@ -5,6 +5,7 @@ one on a GPU)."""
 from __future__ import annotations
 
 import hashlib
+import json
 import math
 from pathlib import Path
 
@@ -70,6 +71,12 @@ class StandInWorker:
 
     def close(self):
         pass
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
 
 
 STAND_IN_LIBRARIES = {"cuBLAS": "(the cuBLAS shim)", "cuBLASLt": "(the cuBLASLt shim)"}
@@ -536,3 +543,29 @@ def test_gpus_on_a_machine_without_one_is_a_one_line_error(tmp_path):
     result = CliRunner().invoke(app, ["optimize", "--m", "64", "--n", "64", "--k", "64", "--gpus", "all",
                                       "--results", str(tmp_path)])
     assert result.exit_code == 1 and "no usable CUDA device" in result.output and len(result.output.strip().splitlines()) == 1
+
+
+@pytest.mark.skipif(cublas_location() is None, reason="cuBLAS headers not installed (pip install nvidia-cublas)")
+def test_check_measures_the_best_kernels_again_and_exits_3_below_the_bar(tmp_path, cache_dir, monkeypatch):
+    import cudal2
+    from cudal2 import api
+    from cudal2.config import Settings
+
+    settings = Settings(results=tmp_path / "results", cache_dir=cache_dir, arch="sm_90a")
+    shapes = [cudal2.Problem(256, 256, 256), cudal2.Problem(128, 256, 512)]
+    cudal2.optimize(shapes, iterations=1, batch=1, settings=settings, workers=[StandInWorker()])
+    # the stand-in's kernels run 50-149 us against cuBLASLt's 95: speedups 0.64-1.9
+    passed = cudal2.check(shapes, fail_under=0.1, settings=settings, worker=StandInWorker())
+    assert passed.passed and [r["status"] for r in passed.rows] == ["ok", "ok"]
+    assert all(r["measured"] == pytest.approx(r["recorded"]) for r in passed.rows)  # same binary, same stand-in time
+    failed = cudal2.check(shapes + [cudal2.Problem(64, 64, 64)], fail_under=0.1, settings=settings, worker=StandInWorker())
+    assert not failed.passed and failed.rows[-1]["status"] == "no kernel"
+
+    monkeypatch.setattr(api, "Worker", lambda device: StandInWorker(device=device))
+    env = {"CUDAL2_CACHE_DIR": str(cache_dir), "CUDAL2_ARCH": "sm_90a"}
+    below = CliRunner(env=env).invoke(app, ["check", "--fail-under", "100", "--results", str(settings.results)])
+    assert below.exit_code == 3 and "0 of 2 shapes at or above 100x" in below.output
+    above = CliRunner(env=env).invoke(app, ["check", "--fail-under", "0.1", "--results", str(settings.results), "--json"])
+    assert above.exit_code == 0 and json.loads(above.output)["passed"] is True
+    bad = CliRunner(env=env).invoke(app, ["check", "--fail-under", "fast", "--results", str(settings.results)])
+    assert bad.exit_code == 1 and bad.output.strip() == "error: --fail-under takes a number, got 'fast'"
