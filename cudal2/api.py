@@ -266,6 +266,21 @@ def check(shapes: list[Problem] | None = None, *, fail_under: float = 1.0, setti
     return CheckResult(fail_under, rows)
 
 
+def report(out: Path, *, shapes: list[Problem] | None = None, results: Path | None = None,
+           bench: str = PROTOCOL) -> Path:
+    """Writes the HTML report (plots embedded; PNGs beside it) of the best kernel per shape
+    of one bench protocol to `out`; returns the page's path."""
+    from .report import write_report
+
+    board = Leaderboard(results or load_settings().results)
+    if not board.parts.exists():
+        raise Cudal2Error(f"no leaderboard in {board.root} (nothing measured there yet, or another --results)")
+    try:
+        return write_report(board.read(bench), Path(out), shapes)
+    except ValueError as exc:
+        raise Cudal2Error(f"nothing to report: {exc}") from None
+
+
 def leaderboard(*, results: Path | None = None, bench: str = PROTOCOL, shapes: list[Problem] | None = None,
                 top: int = 1, **filters: Any) -> pd.DataFrame:
     """The best verified kernels per problem (the `top` of each), of one bench protocol:

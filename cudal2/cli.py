@@ -361,6 +361,27 @@ def check(
         raise typer.Exit(3)
 
 
+@app.command()
+@cli_errors
+def report(
+    out: Annotated[Path, typer.Option(help="the directory to write index.html and the PNG plots into")],
+    shapes: Annotated[Optional[Path], typer.Option(help="a shape set (CSV m,n,k[,dtype,layout]); default: every "
+                                                         "problem of the leaderboard")] = None,
+    model: ModelOpt = None,
+    tokens: TokensOpt = None,
+    dtype: Annotated[Optional[str], typer.Option(help="a preset's dtype (default bf16)")] = None,
+    bench: Annotated[str, typer.Option(help=f"the rows of this bench protocol ({' | '.join(PROTOCOLS)})")] = PROTOCOL,
+    results: Results = None,
+) -> None:
+    """Write a self-contained HTML page with plots: speedup per shape against each baseline,
+    achieved TFLOP/s against the roof, which template wins where, tuning cost."""
+    if bench not in PROTOCOLS:
+        raise Cudal2Error(f"unknown --bench {bench!r}; choose {', '.join(PROTOCOLS)}")
+    settings = load_settings({"results": results})
+    page = api.report(out, shapes=shape_set(shapes, model, tokens, dtype), results=settings.results, bench=bench)
+    print(page)
+
+
 @app.command("compile")
 @cli_errors
 def compile_cmd(

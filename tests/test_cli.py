@@ -209,3 +209,22 @@ def test_leaderboard_reports_a_model_preset(tmp_path):
         (4096, 14336, "(none measured)")]
     assert report["summary"]["measured"] == 1
     one_line_error(run("leaderboard", "--results", tmp_path, "--model", "gpt-9"), "unknown model 'gpt-9'")
+
+
+def test_report_writes_a_self_contained_page_with_its_plots(tmp_path):
+    lb = Leaderboard(tmp_path)
+    common = {"kernel_us": 150.0, "graph_us": 152.0, "speedup_vs_cublas": 1.1, "speedup_vs_cublaslt": 1.05,
+              "speedup_vs_torch": 1.07, "tflops": 800.0, "sm_count": 132, "max_sm_clock_mhz": 1980, "cc": 90,
+              "compile_s": 60.0, "template": "sm90_cutlass"}
+    lb.append([row("fast", 1.05, **common), row("decode", 0.97, m=16, **{**common, "template": "sm80_mma"}),
+               row("old", 2.0, m=8, bench="fenced", **common)])
+    out = tmp_path / "report"
+    result = run("report", "--out", out, "--results", tmp_path)
+    assert result.exit_code == 0, result.output
+    page = (out / "index.html").read_text()
+    for plot in ("speedup", "roofline", "templates", "tuning"):
+        assert (out / f"{plot}.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+        assert f'alt="{plot}" src="data:image/png;base64,' in page  # embedded: the page stands alone
+    assert "4096x4096x4096 fp16" in page and "16x4096x4096 fp16" in page and "8x4096x4096" not in page
+    assert "geometric mean\n<b>1.009</b>, minimum <b>0.970</b>" in page
+    one_line_error(run("report", "--out", out, "--results", tmp_path / "none"), "no leaderboard in")
