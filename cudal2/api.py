@@ -281,6 +281,31 @@ def report(out: Path, *, shapes: list[Problem] | None = None, results: Path | No
         raise Cudal2Error(f"nothing to report: {exc}") from None
 
 
+def export(library: Path, *, gpu: str | None = None, shapes: list[Problem] | None = None,
+           settings: Settings | None = None):
+    """Builds the dispatch library (cudal2/runtime.py) of the best kernel per problem of
+    this protocol (of `shapes` if given) on one GPU (`gpu`: part of its name) into
+    `library`; returns its DispatchTable."""
+    from .runtime import export_library
+
+    settings = settings or load_settings()
+    board = Leaderboard(settings.results)
+    if not board.parts.exists():
+        raise Cudal2Error(f"no leaderboard in {settings.results} (nothing measured there yet, or another --results)")
+    rows = board.read()
+    if gpu is not None:
+        rows = rows[rows["gpu"].fillna("").str.contains(gpu, case=False, regex=False)]
+    if shapes is not None:
+        keys = ["m", "n", "k", "dtype", "layout"]
+        wanted = pd.DataFrame([p.__dict__ for p in shapes], columns=keys)
+        rows = rows.merge(wanted, on=keys, how="inner")
+    arches = sorted(set(rows.loc[rows["status"] == "ok", "arch"].dropna()))
+    if not arches:
+        raise Cudal2Error("no verified kernel to export" + (f" for GPU {gpu!r}" if gpu else ""))
+    compiler = Compiler(settings.arch or arches[0], settings.cache_dir, settings.jobs, settings.timeout)
+    return export_library(board, rows, compiler, Path(library))
+
+
 def leaderboard(*, results: Path | None = None, bench: str = PROTOCOL, shapes: list[Problem] | None = None,
                 top: int = 1, **filters: Any) -> pd.DataFrame:
     """The best verified kernels per problem (the `top` of each), of one bench protocol:

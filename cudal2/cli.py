@@ -382,6 +382,30 @@ def report(
     print(page)
 
 
+@app.command()
+@cli_errors
+def export(
+    library: Annotated[Path, typer.Option(help="the directory to write the library into (index.json, kernels/)")],
+    gpu: Annotated[Optional[str], typer.Option(help="the GPU whose kernels to export (part of its name)")] = None,
+    shapes: Annotated[Optional[Path], typer.Option(help="only the problems of this shape set")] = None,
+    model: ModelOpt = None,
+    tokens: TokensOpt = None,
+    dtype: Annotated[Optional[str], typer.Option(help="a preset's dtype (default bf16)")] = None,
+    results: Results = None,
+    json_out: Json = False,
+) -> None:
+    """Build a dispatch library: this GPU's best kernel per tuned problem and a table that
+    picks one per call (the exact problem; else the nearest tuned M where that kernel was
+    verified; else none, and the caller's library call runs)."""
+    settings = load_settings({"results": results})
+    table = api.export(library, gpu=gpu, shapes=shape_set(shapes, model, tokens, dtype), settings=settings)
+    if json_out:
+        print(json.dumps({"library": str(library), "versions": table.versions,
+                          "entries": [e.__dict__ for e in table.entries]}, indent=1, default=str))
+    else:
+        print(f"{len(table.entries)} kernel(s) for {table.versions.get('gpu')} -> {library}")
+
+
 @app.command("compile")
 @cli_errors
 def compile_cmd(

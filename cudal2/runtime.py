@@ -1,0 +1,121 @@
+"""Runtime: an exported dispatch library — this GPU's winning kernels and a table that picks
+one per call, or none (then the caller's library call runs).
+
+A library is a directory: `index.json` (the versions it was built and measured with, and
+one entry per tuned problem) and `kernels/<source hash>.so`. The table picks the kernel
+tuned for exactly the problem; for a problem never tuned, the kernel tuned for the nearest M
+with the same N, K, dtype and layout, but only where M lies within the M values that kernel
+was verified at; otherwise none. A table built for another GPU, driver or CUDA picks none.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import warnings
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import pandas as pd
+
+from .compile import Compiler
+from .errors import Cudal2Error
+from .leaderboard import Leaderboard, best
+
+INDEX = "index.json"
+VERSION_KEYS = ("gpu", "driver", "cuda")  # a mismatch in any: every call falls back
+BUILD_KEYS = ("nvcc", "cutlass", "arch")  # recorded, for the reader
+
+
+@dataclass(frozen=True)
+class Entry:
+    """One tuned problem's kernel."""
+
+    m: int
+    n: int
+    k: int
+    dtype: str
+    layout: str
+    library: str  # relative to the library directory
+    kernel: str
+    speedup: float  # the claimed speedup measured for this problem
+    verified_m: tuple[int, ...]  # the M values this kernel was verified at (same N, K, dtype, layout)
+
+
+class DispatchTable:
+    """Picks the kernel for a call (see the module docstring)."""
+
+    def __init__(self, entries: list[Entry], versions: dict[str, Any], root: Path | None = None):
+        self.entries = entries
+        self.versions = versions
+        self.root = root
+        self._by_shape: dict[tuple, list[Entry]] = {}
+        for entry in entries:
+            self._by_shape.setdefault((entry.n, entry.k, entry.dtype, entry.layout), []).append(entry)
+
+    @classmethod
+    def load(cls, root: Path) -> DispatchTable:
+        index = Path(root) / INDEX
+        if not index.is_file():
+            raise Cudal2Error(f"{root} is not a cudal2 library (no {INDEX}; make one with `cudal2 export --library`)")
+        try:
+            data = json.loads(index.read_text())
+            entries = [Entry(**{**e, "verified_m": tuple(e["verified_m"])}) for e in data["entries"]]
+        except (ValueError, KeyError, TypeError) as exc:
+            raise Cudal2Error(f"{index} is not a readable cudal2 library index: {exc}") from None
+        return cls(entries, data["versions"], Path(root))
+
+    def mismatch(self, environment: dict[str, Any]) -> str | None:
+        """Why this table does not serve `environment` (GPU, driver, CUDA), or None."""
+        for key in VERSION_KEYS:
+            if str(self.versions.get(key)) != str(environment.get(key)):
+                return f"built for {key} {self.versions.get(key)!r}, this machine has {environment.get(key)!r}"
+        return None
+
+    def choose(self, m: int, n: int, k: int, dtype: str, layout: str) -> Entry | None:
+        candidates = self._by_shape.get((n, k, dtype, layout), [])
+        for entry in sorted(candidates, key=lambda e: (abs(e.m - m), e.m)):
+            if entry.m == m or min(entry.verified_m) <= m <= max(entry.verified_m):
+                return entry
+        return None
+
+
+def export_library(board: Leaderboard, rows: pd.DataFrame, compiler: Compiler, out: Path) -> DispatchTable:
+    """Writes the library of the best kernel per problem of `rows` (one protocol, one GPU)
+    into `out`: each kernel's stored source compiled (from the cache when built before) and
+    copied, and the index with the versions of the rows' measurements."""
+    winners = best(rows, 1)
+    if winners.empty:
+        raise Cudal2Error("no verified kernel to export")
+    gpus = sorted(set(winners["gpu"].dropna()))
+    if len(gpus) != 1:
+        raise Cudal2Error(f"the rows are of {len(gpus)} GPUs ({', '.join(gpus)}); choose one with --gpu")
+    first = winners.iloc[0]
+    versions = {key: None if pd.isna(first.get(key)) else first.get(key) for key in VERSION_KEYS + BUILD_KEYS}
+    ok = rows[rows["status"] == "ok"]
+    kernels = Path(out) / "kernels"
+    kernels.mkdir(parents=True, exist_ok=True)
+    entries = []
+    for row in winners.itertuples():
+        build = compiler.compile(board.source(row.source_hash))
+        if build.status != "ok":
+            raise Cudal2Error(f"{row.kernel} no longer compiles: {build.log.strip().splitlines()[-1:]}")
+        target = kernels / f"{row.source_hash}.so"
+        shutil.copyfile(build.library, target)
+        same = ok[(ok["source_hash"] == row.source_hash) & (ok["n"] == row.n) & (ok["k"] == row.k)
+                  & (ok["dtype"] == row.dtype) & (ok["layout"] == row.layout)]
+        entries.append(Entry(int(row.m), int(row.n), int(row.k), row.dtype, row.layout, f"kernels/{target.name}",
+                             row.kernel, float(row.speedup_offline), tuple(sorted({int(v) for v in same["m"]}))))
+    index = {"versions": versions, "entries": [asdict(e) for e in entries]}
+    (Path(out) / INDEX).write_text(json.dumps(index, indent=1, default=str))
+    return DispatchTable(entries, versions, Path(out))
+
+
+def serving(table: DispatchTable, environment: dict[str, Any]) -> bool:
+    """Whether `table` serves this machine; warns once (with the reason) when it does not."""
+    reason = table.mismatch(environment)
+    if reason is not None:
+        warnings.warn(f"cudal2 library {table.root}: {reason}; every call falls back to the library call",
+                      stacklevel=2)
+    return reason is None
