@@ -1,0 +1,134 @@
+"""PyTorch ops: `torch.ops.cudal2.mm(a, b)` and `torch.ops.cudal2.linear(x, weight)`.
+
+Each runs the dispatch library's kernel for the call's shape (cudal2/runtime.py; choose one
+with `use(DIR)`) on the current stream, and falls back to torch.matmul / F.linear for
+whatever the library does not cover: no library or one built for another GPU, driver or
+CUDA, a device other than CUDA, another dtype, a batch dimension, non-contiguous strides, a
+shape it was not tuned or verified for. The fallback is exactly what the kernel was measured
+against, so a model is never slower for using the op. Registered through torch.library
+with fake implementations, so the ops work eagerly, under torch.compile and in CUDA graphs.
+
+    import cudal2.torch
+    cudal2.torch.use("library/")         # cudal2 export --library library/
+    cudal2.torch.patch(model)            # nn.Linear layers whose shapes were tuned
+"""
+
+from __future__ import annotations
+
+import ctypes
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from .runtime import DispatchTable, serving
+
+DTYPES = {torch.float16: "fp16", torch.bfloat16: "bf16"}
+_state: dict = {"table": None, "kernels": {}}
+
+
+def use(library: Path | str | None, environment: dict | None = None) -> DispatchTable | None:
+    """Serves the ops from the library in `library` (None: the fallback alone). A library
+    built for another GPU, driver or CUDA than `environment` (default: this process's
+    current CUDA device) serves nothing, with one warning."""
+    _state.update(table=None, kernels={})
+    if library is None:
+        return None
+    table = DispatchTable.load(Path(library))
+    if environment is None and not torch.cuda.is_available():
+        return table
+    if serving(table, environment or _environment()):
+        _state["table"] = table
+    return table
+
+
+def _environment() -> dict:
+    from .environment import _nvidia_smi
+
+    device = torch.cuda.current_device()
+    return {"gpu": torch.cuda.get_device_name(device), "driver": _nvidia_smi(device).get("driver_version"),
+            "cuda": torch.version.cuda}
+
+
+def _kernel(path: Path):
+    if path not in _state["kernels"]:
+        lib = ctypes.CDLL(str(path))
+        lib.cudal2_gemm.restype = ctypes.c_int
+        lib.cudal2_gemm.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int] * 3 + [ctypes.c_void_p, ctypes.c_size_t,
+                                                                                   ctypes.c_void_p]
+        if hasattr(lib, "cudal2_workspace_bytes"):
+            lib.cudal2_workspace_bytes.restype = ctypes.c_size_t
+            lib.cudal2_workspace_bytes.argtypes = [ctypes.c_int] * 3
+        _state["kernels"][path] = lib
+    return _state["kernels"][path]
+
+
+def _tuned(a: torch.Tensor, b: torch.Tensor, layout: str) -> torch.Tensor | None:
+    """C from the library's kernel, or None where the library does not cover the call."""
+    table = _state["table"]
+    if (table is None or not a.is_cuda or a.device != b.device or a.dim() != 2 or b.dim() != 2
+            or a.dtype not in DTYPES or b.dtype != a.dtype or not a.is_contiguous() or not b.is_contiguous()):
+        return None
+    m, k = a.shape
+    n = b.shape[1] if layout == "nn" else b.shape[0]
+    if (b.shape[0] if layout == "nn" else b.shape[1]) != k:
+        return None
+    entry = table.choose(m, n, k, DTYPES[a.dtype], layout)
+    if entry is None:
+        return None
+    lib = _kernel(table.root / entry.library)
+    out = torch.empty((m, n), dtype=a.dtype, device=a.device)
+    size = lib.cudal2_workspace_bytes(m, n, k) if hasattr(lib, "cudal2_workspace_bytes") else 0
+    workspace = torch.empty(max(1, size), dtype=torch.uint8, device=a.device)
+    code = lib.cudal2_gemm(a.data_ptr(), b.data_ptr(), out.data_ptr(), m, n, k, workspace.data_ptr(), size,
+                           torch.cuda.current_stream(a.device).cuda_stream)
+    return out if code == 0 else None  # a kernel that declines the shape: the library call runs
+
+
+@torch.library.custom_op("cudal2::mm", mutates_args=())
+def mm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """a @ b: the tuned kernel where the library has one, else torch.matmul."""
+    out = _tuned(a, b, "nn")
+    return torch.matmul(a, b) if out is None else out
+
+
+@mm.register_fake
+def _mm_fake(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    return a.new_empty((*a.shape[:-1], b.shape[-1]))
+
+
+@torch.library.custom_op("cudal2::linear", mutates_args=())
+def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """x @ weight^T (weight [N, K] as nn.Linear stores it): the tuned kernel, else F.linear."""
+    out = _tuned(x, weight, "nt")
+    return F.linear(x, weight) if out is None else out
+
+
+@linear.register_fake
+def _linear_fake(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    return x.new_empty((*x.shape[:-1], weight.shape[0]))
+
+
+def _tuned_forward(layer: torch.nn.Linear):
+    def forward(x: torch.Tensor) -> torch.Tensor:
+        flat = x.reshape(-1, x.shape[-1])  # (tokens, K): the GEMM a Linear layer runs
+        out = torch.ops.cudal2.linear(flat, layer.weight).reshape(*x.shape[:-1], layer.out_features)
+        return out if layer.bias is None else out + layer.bias
+
+    return forward
+
+
+def patch(model: torch.nn.Module) -> int:
+    """Swaps the forward of every nn.Linear whose (N, K) the library tuned for some M, so its
+    GEMM goes through torch.ops.cudal2.linear; returns how many were swapped."""
+    table = _state["table"]
+    if table is None:
+        return 0
+    tuned = {(e.n, e.k, e.dtype) for e in table.entries if e.layout == "nt"}
+    swapped = 0
+    for layer in model.modules():
+        if isinstance(layer, torch.nn.Linear) and layer.weight.dtype in DTYPES and \
+                (layer.out_features, layer.in_features, DTYPES[layer.weight.dtype]) in tuned:
+            layer.forward = _tuned_forward(layer)
+            swapped += 1
+    return swapped

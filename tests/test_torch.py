@@ -1,0 +1,53 @@
+"""The PyTorch ops on the CPU: registered through torch.library, fake tensors, torch.compile,
+the fallback, and patching a model (the GPU path: tests/test_gpu.py)."""
+
+import json
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+import cudal2.torch as ops  # noqa: E402
+
+VERSIONS = {"gpu": "NVIDIA H200", "driver": "580.159.04", "cuda": "13.0"}
+
+
+def library(tmp_path, entries):
+    (tmp_path / "index.json").write_text(json.dumps({"versions": VERSIONS, "entries": entries}))
+    return tmp_path
+
+
+def test_the_ops_are_registered_and_fall_back_off_the_gpu():
+    assert hasattr(torch.ops.cudal2, "mm") and hasattr(torch.ops.cudal2, "linear")
+    a, b, w = torch.randn(8, 16), torch.randn(16, 4), torch.randn(4, 16)
+    assert torch.equal(torch.ops.cudal2.mm(a, b), torch.matmul(a, b))
+    assert torch.equal(torch.ops.cudal2.linear(a, w), torch.nn.functional.linear(a, w))
+    torch.library.opcheck(torch.ops.cudal2.mm.default, (a, b))  # schema, fake and eager agree
+    torch.library.opcheck(torch.ops.cudal2.linear.default, (a, w))
+
+
+def test_fake_tensors_and_torch_compile_see_the_right_shapes():
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode():
+        out = torch.ops.cudal2.linear(torch.empty(5, 32, dtype=torch.bfloat16), torch.empty(7, 32, dtype=torch.bfloat16))
+        assert out.shape == (5, 7) and out.dtype == torch.bfloat16
+    compiled = torch.compile(lambda x, w: torch.ops.cudal2.linear(x, w).relu(), fullgraph=True, backend="eager")
+    x, w = torch.randn(3, 8), torch.randn(6, 8)
+    assert torch.allclose(compiled(x, w), torch.nn.functional.linear(x, w).relu())
+
+
+def test_patch_swaps_only_the_layers_whose_shapes_were_tuned(tmp_path):
+    entry = {"m": 16, "n": 6, "k": 8, "dtype": "bf16", "layout": "nt", "library": "kernels/x.so", "kernel": "k",
+             "speedup": 1.05, "verified_m": [16]}
+    model = torch.nn.Sequential(torch.nn.Linear(8, 6), torch.nn.ReLU(), torch.nn.Linear(6, 3)).to(torch.bfloat16)
+    x = torch.randn(2, 4, 8, dtype=torch.bfloat16)
+    before = model(x)
+    with pytest.warns(UserWarning, match="built for gpu 'NVIDIA H200', this machine has 'NVIDIA A100'"):
+        assert ops.use(library(tmp_path, [entry]), environment={**VERSIONS, "gpu": "NVIDIA A100"}) is not None
+    assert ops.patch(model) == 0  # a library for another GPU serves nothing
+    ops.use(library(tmp_path, [entry]), environment=VERSIONS)
+    assert ops.patch(model) == 1  # the 6x8 layer; the 3x6 one was never tuned
+    # off the GPU the op falls back to F.linear (the bias added after it: bf16 rounds once more)
+    assert torch.allclose(model(x), before, rtol=2e-2, atol=2e-2)
+    ops.use(None)
