@@ -392,3 +392,45 @@ def test_optimize_llm_free_form_kernels_are_verified_on_the_gpu(tmp_path, cache_
     kernels = rows[(rows["proposer"] == "llm") & ~rows["kernel"].isin(BASELINES)].set_index("kernel")
     assert sorted(kernels["status"]) == ["cheat", "ok"], kernels[["status", "error"]]
     assert "guard band" in kernels[kernels["status"] == "cheat"]["error"].iloc[0]
+
+
+def test_the_torch_op_runs_exported_kernels_and_falls_back_elsewhere(tmp_path, cache_dir):
+    """cudal2 bench -> export -> torch.ops.cudal2.linear: the tuned shape through the kernel,
+    eagerly, under torch.compile and in a CUDA graph, matching F.linear within the verifier's
+    tolerance; an untuned shape and a CPU tensor fall back."""
+    torch = pytest.importorskip("torch")
+    import torch.nn.functional as F
+
+    import cudal2.torch as ops
+    from cudal2.verify import UNIT_ROUNDOFF
+
+    runner = CliRunner(env={"CUDAL2_CACHE_DIR": str(cache_dir)})
+    bench = runner.invoke(app, ["bench", "--m", "64", "--n", "512", "--k", "256", "--dtype", "bf16", "--layout", "nt",
+                                "--template", "sm80_mma", "--budget", "0.1", "--results", str(tmp_path), "--json"])
+    assert bench.exit_code == 0, bench.output
+    exported = runner.invoke(app, ["export", "--library", str(tmp_path / "lib"), "--results", str(tmp_path)])
+    assert exported.exit_code == 0, exported.output
+    table = ops.use(tmp_path / "lib")
+    assert table is not None and ops._state["table"] is table  # this GPU, driver and CUDA: served
+    x = torch.randn(64, 256, device="cuda", dtype=torch.bfloat16)
+    w = torch.randn(512, 256, device="cuda", dtype=torch.bfloat16)
+    ref = F.linear(x.float(), w.float())
+    tolerance = 4 * UNIT_ROUNDOFF["bf16"] * ref.abs().max()
+
+    def close(out):
+        return (out.float() - ref).abs().max() <= tolerance
+
+    assert ops._tuned(x, w, "nt") is not None  # the kernel ran, not the fallback
+    assert close(torch.ops.cudal2.linear(x, w))
+    assert close(torch.compile(lambda a, b: torch.ops.cudal2.linear(a, b), fullgraph=True)(x, w))
+    graph, static = torch.cuda.CUDAGraph(), torch.empty(64, 512, device="cuda", dtype=torch.bfloat16)
+    torch.ops.cudal2.linear(x, w)  # warm-up off the graph
+    with torch.cuda.graph(graph):
+        static.copy_(torch.ops.cudal2.linear(x, w))
+    graph.replay()
+    torch.cuda.synchronize()
+    assert close(static)
+    other = torch.randn(64, 384, device="cuda", dtype=torch.bfloat16)  # K never tuned: F.linear
+    assert ops._tuned(other, torch.randn(512, 384, device="cuda", dtype=torch.bfloat16), "nt") is None
+    assert torch.equal(torch.ops.cudal2.linear(x.cpu(), w.cpu()), F.linear(x.cpu(), w.cpu()))
+    ops.use(None)
