@@ -111,8 +111,9 @@ def optimize(ctx: Context, proposer: Proposer, budget: Budget, *, remeasure: boo
             except Cudal2Error as exc:
                 invalid.append(invalid_row(ctx, str(exc), str(proposal), f"{proposer.name} proposal"))
                 continue
-            if digest in seen_sources:
+            if digest in seen_sources:  # measured (or being measured) already: the proposer is told
                 out.duplicates += 1
+                repeats.append((proposal, digest))
                 continue
             seen_sources.add(digest)
             fresh.append(proposal)
@@ -124,6 +125,22 @@ def optimize(ctx: Context, proposer: Proposer, budget: Budget, *, remeasure: boo
         return built, invalid
 
     compiled: list[Built] = []  # the batch compiling now: its builds as they finish
+    repeats: list[tuple[Candidate, str]] = []  # proposals already measured (and their source hash)
+
+    def repeat_notes() -> list[dict[str, Any]]:
+        """The latest repeated proposals as rows for the proposer (never recorded), each with
+        the earlier measurement's result."""
+        notes = []
+        for proposal, digest in repeats[-6:]:
+            earlier = next((r for r in reversed(history) if r.get("source_hash") == digest), None)
+            speedup = earlier.get("speedup_offline") if earlier else None
+            result = ("is still being measured" if earlier is None else
+                      f"was measured as {earlier['kernel']}: {earlier['status']}"
+                      + (f", {speedup:.3f}x the fastest library call" if speedup == speedup and speedup else ""))
+            notes.append({"kernel": str(proposal), "template": proposal.template, "status": "repeat",
+                          "params": proposal.params_json if proposal.template else None,
+                          "error": f"proposed again: it {result}"})
+        return notes
 
     def verified() -> bool:
         return best_row(history, ctx.mode) is not None
@@ -185,7 +202,7 @@ def optimize(ctx: Context, proposer: Proposer, budget: Budget, *, remeasure: boo
             _extend(history, visible, invalid)
             last = iteration + 1 >= budget.iterations or over_time()
             if not last:  # the next batch compiles while this one is on the GPU
-                pending = pool.submit(prepare, list(visible) + list(in_flight), ctx.compiler.generation)
+                pending = pool.submit(prepare, list(visible) + list(in_flight) + repeat_notes(), ctx.compiler.generation)
             emit("batch", {"iteration": iteration + 1, "candidates": len(built), "invalid": len(invalid)})
             if not built and not invalid:
                 out.stopped = "the proposer has nothing new"

@@ -569,3 +569,22 @@ def test_check_measures_the_best_kernels_again_and_exits_3_below_the_bar(tmp_pat
     assert above.exit_code == 0 and json.loads(above.output)["passed"] is True
     bad = CliRunner(env=env).invoke(app, ["check", "--fail-under", "fast", "--results", str(settings.results)])
     assert bad.exit_code == 1 and bad.output.strip() == "error: --fail-under takes a number, got 'fast'"
+
+
+def test_a_proposal_measured_before_is_reported_back_not_dropped(tmp_path, compiler):
+    """Proposed again, a kernel is not measured twice, and the next round's history says so
+    with its earlier result (the LLM prompt lists it among the failures)."""
+    first, second = template_candidate("sm80_mma", {}, 90), template_candidate("sm80_mma", {"stages": "3"}, 90)
+
+    class Recording(Scripted):
+        def propose(self, problem, history, n):
+            self.seen = list(history)
+            return super().propose(problem, history, n)
+
+    proposer = Recording([first], [first, second], [])
+    out = optimize(context(tmp_path, compiler, StandInWorker()), proposer, Budget(iterations=3, batch=2, patience=None))
+    assert out.duplicates == 1 and [r["kernel"] for r in out.rows if r["kernel"] not in BASELINES] == [str(first), str(second)]
+    [repeat] = [r for r in proposer.seen if r["status"] == "repeat"]
+    assert repeat["kernel"] == str(first) and f"was measured as {first}: ok, " in repeat["error"]
+    assert "the fastest library call" in repeat["error"]
+    assert "repeat" not in set(Leaderboard(tmp_path / "results").read()["status"])  # a note, not a measurement
