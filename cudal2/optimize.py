@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import hashlib
 import re
+import shlex
 import threading
 import time
 from collections import Counter
@@ -17,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from .candidate import Candidate
+from .compile import flags
 from .errors import Cudal2Error
 from .leaderboard import BASELINES, Leaderboard, select, source_hash
 from .pipeline import Built, Context, build_all, invalid_row, measure_baselines, measure_row
@@ -310,8 +312,7 @@ def export_best(leaderboard: Leaderboard, results: Path, row: dict[str, Any], mo
         f"({row[f'baseline_{mode}_us']:.2f} us -> {row[f'{mode}_us']:.2f} us, {mode}, bench {row.get('bench')}) "
         f"on {row.get('gpu')} ({row.get('arch')})",
         f"// measured {row['time'] if 'time' in row else datetime.now(timezone.utc)}; {origin}",
-        f"// build: nvcc -O3 -std=c++17 -shared -Xcompiler -fPIC -gencode=arch=compute_{row.get('arch', 'sm_90a').removeprefix('sm_')},"
-        f"code={row.get('arch')} -I<cutlass>/include -I<cutlass>/tools/util/include kernel.cu -o kernel.so",
+        f"// build (the flags cudal2 compiles with): {shlex.join(['nvcc', *flags(row.get('arch') or 'sm_90a'), 'kernel.cu', '-o', 'kernel.so'])}",
         "",
     ])
     path.parent.mkdir(parents=True, exist_ok=True)

@@ -163,6 +163,7 @@ def test_leaderboard_exports_the_best_kernels_as_self_contained_files(tmp_path):
     assert result.stdout.splitlines()[1].startswith("NVIDIA H200,4096,4096,4096,fp16,nn,fast.cu")
     text = (tmp_path / "best" / "NVIDIA_H200" / "fp16_nn" / "4096_4096_4096.cu").read_text()
     assert "speedup 1.200x over the fastest library call, cuBLASLt (180.00 us -> 150.00 us" in text
+    assert "-Xlinker -Bsymbolic" in text and "-gencode=arch=compute_90a,code=sm_90a" in text  # the real flags
     assert text.endswith(source)
     one_line_error(run("leaderboard", "--results", tmp_path, "--export", "--status", "ok"), "does not combine")
 

@@ -1,7 +1,7 @@
 // cudal2 best kernel for C[16,4096] = A[16,14336] @ W^T (bf16, layout nt, fp32 accumulation)
-// speedup 1.024x over cuBLAS (32.65 us -> 31.90 us, offline device time) on NVIDIA H200 (sm_90a)
-// measured 2026-11-30 14:46:02.529014+00:00; template sm80_mma {"block_k": 64, "block_m": 16, "block_n": 64, "epilogue": "smem", "group_m": 8, "min_blocks": 1, "split_k": 4, "stages": 4, "warps_m": 1, "warps_n": 2}
-// build: nvcc -O3 -std=c++17 -shared -Xcompiler -fPIC -gencode=arch=compute_90a,code=sm_90a -I<cutlass>/include -I<cutlass>/tools/util/include kernel.cu -o kernel.so
+// speedup 0.960x over the fastest library call, cuBLAS (31.36 us -> 32.67 us, offline, bench cupti-graph) on NVIDIA H200 (sm_90a)
+// measured 2026-12-01 09:53:37.859227+00:00; template sm80_mma {"block_k": 64, "block_m": 16, "block_n": 64, "epilogue": "smem", "group_m": 8, "min_blocks": 1, "split_k": 4, "stages": 4, "warps_m": 1, "warps_n": 2}
+// build (the flags cudal2 compiles with): nvcc -O3 -std=c++17 -shared -Xcompiler -fPIC,-fno-gnu-unique -Xlinker -Bsymbolic -cudart shared --expt-relaxed-constexpr -Xptxas -v -gencode=arch=compute_90a,code=sm_90a -I/work/venv/lib/python3.11/site-packages/cutlass_library/source/include -I/work/venv/lib/python3.11/site-packages/cutlass_library/source/tools/util/include kernel.cu -o kernel.so
 // cudal2 template sm80_mma: Ampere-style tensor-core GEMM (runs on sm_80 and newer).
 // mma.sync.m16n8k16 with fp32 accumulation, ldmatrix fragment loads, a 4-stage
 // cp.async shared-memory pipeline and XOR-swizzled shared memory. Edges are handled

@@ -1,7 +1,7 @@
 // cudal2 best kernel for C[4096,4096] = A[4096,4096] @ W^T (bf16, layout nt, fp32 accumulation)
-// speedup 1.005x over cuBLAS (177.90 us -> 177.01 us, offline device time) on NVIDIA H200 (sm_90a)
-// measured 2026-11-30 19:24:19.809258+00:00; template sm90_cutlass {"cluster_m": 2, "cluster_n": 1, "decomposition": "heuristic", "epilogue_schedule": "tma", "epilogue_stages": 4, "grid": "even", "kernel_schedule": "cooperative", "max_swizzle_size": 8, "raster_order": "along_n", "reduction": "deterministic", "splits": 1, "stages": "auto", "tile_k": 64, "tile_m": 128, "tile_n": 256, "tile_scheduler": "persistent"}
-// build: nvcc -O3 -std=c++17 -shared -Xcompiler -fPIC -gencode=arch=compute_90a,code=sm_90a -I<cutlass>/include -I<cutlass>/tools/util/include kernel.cu -o kernel.so
+// speedup 0.996x over the fastest library call, cuBLAS (197.74 us -> 198.61 us, offline, bench cupti-graph) on NVIDIA H200 (sm_90a)
+// measured 2026-12-01 09:53:54.578252+00:00; proposer user model nan
+// build (the flags cudal2 compiles with): nvcc -O3 -std=c++17 -shared -Xcompiler -fPIC,-fno-gnu-unique -Xlinker -Bsymbolic -cudart shared --expt-relaxed-constexpr -Xptxas -v -gencode=arch=compute_90a,code=sm_90a -I/work/venv/lib/python3.11/site-packages/cutlass_library/source/include -I/work/venv/lib/python3.11/site-packages/cutlass_library/source/tools/util/include kernel.cu -o kernel.so
 // cudal2 / sm90_cutlass -- generated source, do not edit.
 //   dtype=bf16 layout=nt
 //   tile=128x256x64 cluster=2x1x1

@@ -1,13 +1,13 @@
 // cudal2 best kernel for C[4096,16384] = A[4096,64] @ B (fp16, layout nn, fp32 accumulation)
-// speedup 1.040x over cuBLAS (45.65 us -> 43.89 us, offline device time) on NVIDIA H200 (sm_90a)
-// measured 2026-11-30 14:40:24.629391+00:00; template sm90_cutlass {"cluster_m": 2, "cluster_n": 1, "epilogue_schedule": "tma", "kernel_schedule": "pingpong", "max_swizzle_size": 1, "raster_order": "heuristic", "reduction": "deterministic", "splits": 1, "stages": "auto", "tile_k": 64, "tile_m": 64, "tile_n": 256, "tile_scheduler": "persistent"}
-// build: nvcc -O3 -std=c++17 -shared -Xcompiler -fPIC -gencode=arch=compute_90a,code=sm_90a -I<cutlass>/include -I<cutlass>/tools/util/include kernel.cu -o kernel.so
+// speedup 0.967x over the fastest library call, cuBLASLt (39.97 us -> 41.33 us, offline, bench cupti-graph) on NVIDIA H200 (sm_90a)
+// measured 2026-12-01 09:51:35.291114+00:00; template sm90_cutlass {"cluster_m": 2, "cluster_n": 1, "decomposition": "heuristic", "epilogue_schedule": "overlap", "grid": "even", "kernel_schedule": "cooperative", "max_swizzle_size": 8, "raster_order": "along_n", "reduction": "deterministic", "splits": 1, "stages": "auto", "swap_ab": "no", "tile_k": 64, "tile_m": 128, "tile_n": 256, "tile_scheduler": "persistent"}
+// build (the flags cudal2 compiles with): nvcc -O3 -std=c++17 -shared -Xcompiler -fPIC,-fno-gnu-unique -Xlinker -Bsymbolic -cudart shared --expt-relaxed-constexpr -Xptxas -v -gencode=arch=compute_90a,code=sm_90a -I/work/venv/lib/python3.11/site-packages/cutlass_library/source/include -I/work/venv/lib/python3.11/site-packages/cutlass_library/source/tools/util/include kernel.cu -o kernel.so
 // cudal2 / sm90_cutlass -- generated source, do not edit.
 //   dtype=fp16 layout=nn
-//   tile=64x256x64 cluster=2x1x1
-//   kernel_schedule=pingpong epilogue_schedule=tma stages=auto
-//   tile_scheduler=persistent raster_order=heuristic max_swizzle_size=1
-//   splits=1 reduction=deterministic
+//   tile=128x256x64 cluster=2x1x1
+//   kernel_schedule=cooperative epilogue_schedule=overlap stages=auto
+//   tile_scheduler=persistent raster_order=along_n max_swizzle_size=8
+//   splits=1 reduction=deterministic grid=even
 //
 // C[M,N] = A[M,K] @ B[K,N]; fp32 accumulation, D = 1 * acc (no source C).
 // M, N and K are run-time values. TMA needs rows of whole 16-byte units; where a row length
@@ -58,6 +58,293 @@
 #error "sm90_cutlass needs CUDA >= 12.0 (CUTLASS_ARCH_MMA_SM90_SUPPORTED)"
 #endif
 
+// ---------------------------------------------------------------------------------------------
+// The cooperative kernel with each tile's stores overlapped with the next tile's GMMAs
+// (epilogue_schedule = "overlap")
+// ---------------------------------------------------------------------------------------------
+// CUTLASS's cooperative kernel runs a tile's mainloop, then its epilogue; while both consumer
+// warpgroups store the tile, the tensor cores idle (Nsight Compute at 4096^3: tensor pipe busy
+// 93.7% of the active cycles, cuBLAS's kernel 95.0%). Here a consumer thread converts its
+// accumulators to 16-bit pairs as soon as the tile's last GMMA has completed, keeps them in
+// registers, and stores them once the first k-block of its next tile is issued: the stores
+// go out while the tensor cores work on that k-block. The last tile is stored after the loop.
+//
+// The stores go straight to global memory, 16 bytes each: in a GMMA accumulator the four
+// threads of a quad hold two columns each of the same eight-column chunk of a row, and a
+// transpose through shuffles over four neighbouring chunks gives each thread one whole chunk.
+// No shared memory, no barrier between the warpgroups. The producer side is CUTLASS's
+// collective: one warp issues the TMA loads of the CTA's tiles in turn.
+//
+// Supported: the static persistent scheduler, no source operand C, a 16-bit row-major D whose
+// row length is a multiple of 8 elements (the plan pads D's rows otherwise), one batch.
+namespace cudal2_sm90 {
+
+template <class Base>
+struct OverlapCooperative : Base {
+  using ProblemShape = typename Base::ProblemShape;
+  using CollectiveMainloop = typename Base::CollectiveMainloop;
+  using TileShape = typename Base::TileShape;
+  using TiledMma = typename Base::TiledMma;
+  using ClusterShape = typename Base::ClusterShape;
+  using TileScheduler = typename Base::TileScheduler;
+  using Params = typename Base::Params;
+  using SharedStorage = typename Base::SharedStorage;
+  using ElementD = typename Base::ElementD;
+  using StrideD = typename Base::StrideD;
+  using MainloopPipeline = typename CollectiveMainloop::MainloopPipeline;
+  using PipelineState = typename CollectiveMainloop::PipelineState;
+  using MainloopStorage = typename CollectiveMainloop::TensorStorage;
+
+  static constexpr int kTileM = cute::size<0>(TileShape{});
+  static constexpr int kTileN = cute::size<1>(TileShape{});
+  static constexpr int kMmaThreads = Base::NumMMAThreads;
+  // Accumulators per consumer thread, and the 32-bit words they pack into.
+  static constexpr int kAccum = kTileM * kTileN / kMmaThreads;
+  static constexpr int kWords = kAccum / 2;
+
+  static_assert(kMmaThreads == 2 * cutlass::NumThreadsPerWarpGroup, "two consumer warpgroups");
+  static_assert(!Base::IsSchedDynamicPersistent && !Base::IsMainloopAuxiliaryLoadNeeded,
+                "the static persistent scheduler and a plain TMA mainloop only");
+  static_assert(cute::is_void_v<typename Base::ElementC>, "no source operand C");
+  static_assert(sizeof(ElementD) == 2, "16-bit D");
+  static_assert(cute::is_same_v<cute::remove_cvref_t<decltype(cute::get<1>(StrideD{}))>, cute::Int<1>>, "row-major D");
+  // Four neighbouring 8-column chunks of a GMMA accumulator row: 16 values of one thread.
+  static_assert(kTileN % 32 == 0 && kAccum % 16 == 0, "the quad transpose takes four chunks at once");
+
+  // Two fp32 values as one word of two 16-bit values, the first in the low half.
+  CUTLASS_DEVICE static uint32_t pack(float lo, float hi) {
+    uint32_t w;
+    asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(w) : "f"(hi), "f"(lo));
+    return w;
+  }
+
+  // The lanes of a quad (q = lane % 4) each hold x[k] = their two columns (2q, 2q + 1) of chunk k
+  // of one row, k = 0..3. Afterwards lane q holds chunk q whole: x[i] = its columns 2i, 2i + 1.
+  CUTLASS_DEVICE static void transpose_quad(uint32_t (&x)[4], int q) {
+    bool const upper = (q & 2) != 0;
+    uint32_t a = upper ? x[0] : x[2];
+    uint32_t b = upper ? x[1] : x[3];
+    a = __shfl_xor_sync(0xffffffffu, a, 2);
+    b = __shfl_xor_sync(0xffffffffu, b, 2);
+    if (upper) { x[0] = a; x[1] = b; } else { x[2] = a; x[3] = b; }
+    bool const odd = (q & 1) != 0;
+    a = odd ? x[0] : x[1];
+    b = odd ? x[2] : x[3];
+    a = __shfl_xor_sync(0xffffffffu, a, 1);
+    b = __shfl_xor_sync(0xffffffffu, b, 1);
+    if (odd) { x[0] = a; x[2] = b; } else { x[1] = a; x[3] = b; }
+  }
+
+  CUTLASS_DEVICE static void store16(ElementD* p, uint32_t const (&x)[4]) {
+    asm volatile("st.global.v4.b32 [%0], { %1, %2, %3, %4 };" ::"l"(p), "r"(x[0]), "r"(x[1]), "r"(x[2]), "r"(x[3])
+                 : "memory");
+  }
+
+  // Stores one tile held as packed words. `coords` maps a thread's accumulator index to its
+  // (row, column) in the tile; the value layout of a GMMA accumulator is (2 columns, 2 row
+  // halves 8 apart, chunks of 8 columns), so values 16g .. 16g + 15 are chunks 4g' .. 4g' + 3
+  // of rows r and r + 8. Rows past M and chunks starting past N are not written; D's rows are
+  // a multiple of 8 elements long, so a chunk that starts before N ends inside its row.
+  template <class Coords>
+  CUTLASS_DEVICE static void store_tile(uint32_t const (&w)[kWords], int m0, int n0, Coords const& coords,
+                                        ElementD* d, int64_t ldd, int M, int N) {
+    int const q = int(threadIdx.x) & 3;
+    CUTLASS_PRAGMA_UNROLL
+    for (int g = 0; g < kAccum / 16; ++g) {
+      auto const rc = coords(16 * g);
+      int const row = m0 + int(cute::get<0>(rc));
+      int const col = n0 + int(cute::get<1>(rc)) - 2 * q + 8 * q;
+      uint32_t top[4] = {w[8 * g + 0], w[8 * g + 2], w[8 * g + 4], w[8 * g + 6]};
+      uint32_t bottom[4] = {w[8 * g + 1], w[8 * g + 3], w[8 * g + 5], w[8 * g + 7]};
+      transpose_quad(top, q);
+      transpose_quad(bottom, q);
+      if (col < N) {
+        if (row < M) {
+          store16(d + int64_t(row) * ldd + col, top);
+        }
+        if (row + 8 < M) {
+          store16(d + int64_t(row + 8) * ldd + col, bottom);
+        }
+      }
+    }
+  }
+
+  // One tile's GMMAs on the consumer side, one k-block in flight as in CUTLASS's collective,
+  // with `between` run once the first k-block is issued. Returns with every GMMA complete and
+  // every stage of the tile released to the producer; `read` is advanced past the tile.
+  template <class Accum, class Between>
+  CUTLASS_DEVICE static void mma_tile(MainloopPipeline& pipeline, PipelineState& read, Accum& accum, int k_tiles,
+                                      int warp_group, MainloopStorage& storage, Between&& between) {
+    using namespace cute;
+    Tensor sA = make_tensor(make_smem_ptr(storage.smem_A.data()), typename CollectiveMainloop::SmemLayoutA{});
+    Tensor sB = make_tensor(make_smem_ptr(storage.smem_B.data()), typename CollectiveMainloop::SmemLayoutB{});
+    TiledMma tiled_mma;
+    auto mma = tiled_mma.get_slice(warp_group * cutlass::NumThreadsPerWarpGroup);
+    Tensor tCrA = mma.make_fragment_A(mma.partition_A(sA));  // (MMA, MMA_M, MMA_K, PIPE)
+    Tensor tCrB = mma.make_fragment_B(mma.partition_B(sB));  // (MMA, MMA_N, MMA_K, PIPE)
+
+    PipelineState release = read;
+    warpgroup_fence_operand(accum);
+    {
+      pipeline.consumer_wait(read, pipeline.consumer_try_wait(read));
+      int const stage = read.index();
+      warpgroup_arrive();
+      tiled_mma.accumulate_ = GMMA::ScaleOut::Zero;
+      CUTLASS_PRAGMA_UNROLL
+      for (int kb = 0; kb < size<2>(tCrA); ++kb) {
+        cute::gemm(tiled_mma, tCrA(_, _, kb, stage), tCrB(_, _, kb, stage), accum);
+        tiled_mma.accumulate_ = GMMA::ScaleOut::One;
+      }
+      warpgroup_commit_batch();
+      ++read;
+    }
+    warpgroup_fence_operand(accum);
+    between();
+    CUTLASS_PRAGMA_NO_UNROLL
+    for (int k = k_tiles - 1; k > 0; --k) {
+      pipeline.consumer_wait(read, pipeline.consumer_try_wait(read));
+      int const stage = read.index();
+      warpgroup_fence_operand(accum);
+      warpgroup_arrive();
+      cute::gemm(tiled_mma, tCrA(_, _, _, stage), tCrB(_, _, _, stage), accum);
+      warpgroup_commit_batch();
+      warpgroup_wait<1>();  // the k-block before this one is done: release its stage
+      warpgroup_fence_operand(accum);
+      pipeline.consumer_release(release);
+      ++read;
+      ++release;
+    }
+    warpgroup_wait<0>();
+    warpgroup_fence_operand(accum);
+    pipeline.consumer_release(release);
+  }
+
+  CUTLASS_DEVICE void operator()(Params const& params, char* smem_buf) {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+    using namespace cute;
+    enum class Role { Producer = 0, Consumer0 = 1, Consumer1 = 2 };
+
+    SharedStorage& shared_storage = *reinterpret_cast<SharedStorage*>(smem_buf);
+    int const thread_idx = int(threadIdx.x);
+    int const warp_idx = cutlass::canonical_warp_idx_sync();
+    int const warp_in_group = warp_idx % cutlass::NumWarpsPerWarpGroup;
+    int const mma_thread_idx = thread_idx % kMmaThreads;
+    auto const role = Role(cutlass::canonical_warp_group_idx());
+
+    if (warp_idx == 0 && cute::elect_one_sync()) {
+      CollectiveMainloop::prefetch_tma_descriptors(params.mainloop);
+    }
+
+    typename MainloopPipeline::Params pipeline_params;
+    if (role == Role::Producer && warp_in_group == 0) {
+      pipeline_params.role = MainloopPipeline::ThreadCategory::Producer;
+    }
+    if (role == Role::Consumer0 || role == Role::Consumer1) {
+      pipeline_params.role = MainloopPipeline::ThreadCategory::Consumer;
+    }
+    pipeline_params.is_leader = thread_idx % cutlass::NumThreadsPerWarpGroup == 0;
+    pipeline_params.num_consumers = kMmaThreads;
+    pipeline_params.num_producers = Base::NumProducerThreads;
+    pipeline_params.transaction_bytes = params.mainloop.tma_transaction_bytes;
+    MainloopPipeline pipeline(shared_storage.pipelines.mainloop, pipeline_params, ClusterShape{});
+
+    // The pipeline's barriers must be initialised in every CTA of the cluster before any use.
+    if constexpr (size(ClusterShape{}) > 1) {
+      cute::cluster_arrive_relaxed();
+    } else {
+      __syncthreads();
+    }
+
+    auto problem_shape_MNKL = append<4>(params.problem_shape, Int<1>{});
+    TileScheduler scheduler{params.scheduler};
+    CollectiveMainloop collective_mainloop;
+    auto load_inputs = collective_mainloop.load_init(problem_shape_MNKL, params.mainloop);
+    Tensor gA_mkl = get<0>(load_inputs);
+    Tensor gB_nkl = get<1>(load_inputs);
+
+    if constexpr (size(ClusterShape{}) > 1) {
+      cute::cluster_wait();
+    }
+
+    if (role == Role::Producer) {
+      cutlass::arch::warpgroup_reg_dealloc<Base::LoadRegisterRequirement>();
+      if (warp_in_group == 0) {
+        // The kernel before this one on the stream may still run (programmatic dependent
+        // launch): wait for it before the first load; every store follows from these loads.
+        cutlass::arch::wait_on_dependent_grids();
+        PipelineState write = cutlass::make_producer_start_state<MainloopPipeline>();
+        auto work = scheduler.initial_work_tile_info(ClusterShape{});
+        while (work.is_valid()) {
+          auto m_coord = idx2crd(work.M_idx, shape<2>(gA_mkl));
+          auto n_coord = idx2crd(work.N_idx, shape<2>(gB_nkl));
+          auto l_coord = idx2crd(work.L_idx, shape<4>(gB_nkl));
+          auto blk_coord = make_coord(m_coord, n_coord, _, l_coord);
+          int const k_tiles = TileScheduler::get_work_k_tile_count(work, problem_shape_MNKL, TileShape{});
+          auto const k_start = TileScheduler::get_work_k_tile_start(work);
+          auto k_tile_iter = cute::make_coord_iterator(idx2crd(k_start, shape<3>(gA_mkl)), shape<3>(gA_mkl));
+          collective_mainloop.load(params.mainloop, pipeline, write, load_inputs, blk_coord, k_tile_iter, k_tiles,
+                                   cutlass::canonical_lane_idx(), cute::block_rank_in_cluster(),
+                                   shared_storage.tensors.mainloop);
+          write.advance(k_tiles);
+          auto [next, unused] = scheduler.fetch_next_work(work);
+          work = next;
+        }
+        // Keeps the CTA alive until its cluster peers have released every stage it filled.
+        collective_mainloop.load_tail(pipeline, write);
+      }
+    } else if (role == Role::Consumer0 || role == Role::Consumer1) {
+      cutlass::arch::warpgroup_reg_alloc<Base::MmaRegisterRequirement>();
+      // The consumer warpgroup's rows of the tile, as CUTLASS numbers them: by mma_thread_idx
+      // (warpgroup 1 of the CTA takes rows 64-127, warpgroup 2 rows 0-63).
+      int const warp_group = mma_thread_idx / cutlass::NumThreadsPerWarpGroup;
+      TiledMma tiled_mma;
+      // (row, column) in the tile of each of this thread's accumulators.
+      Tensor coords = tiled_mma.get_slice(mma_thread_idx).partition_C(make_identity_tensor(take<0, 2>(TileShape{})));
+      static_assert(decltype(size(coords))::value == kAccum);
+      ElementD* const d = params.epilogue.ptr_D;
+      int64_t const ldd = get<0>(params.epilogue.dD);
+      int const M = get<0>(problem_shape_MNKL);
+      int const N = get<1>(problem_shape_MNKL);
+
+      PipelineState read;
+      uint32_t words[kWords];  // the tile before this one, packed, not stored yet
+      int held_m = 0, held_n = 0;
+      bool held = false;
+      auto work = scheduler.initial_work_tile_info(ClusterShape{});
+      while (work.is_valid()) {
+        int const k_tiles = TileScheduler::get_work_k_tile_count(work, problem_shape_MNKL, TileShape{});
+        auto accum = partition_fragment_C(tiled_mma, take<0, 2>(TileShape{}));  // (MMA, MMA_M, MMA_N)
+        mma_tile(pipeline, read, accum, k_tiles, warp_group, shared_storage.tensors.mainloop, [&]() {
+          if (held) {
+            store_tile(words, held_m, held_n, coords, d, ldd, M, N);
+          }
+        });
+#if defined(CUTLASS_ENABLE_GDC_FOR_SM90)
+        if (scheduler.is_last_tile(work)) {
+          cutlass::arch::launch_dependent_grids();  // only a hint: the next kernel may launch
+        }
+#endif
+        CUTLASS_PRAGMA_UNROLL
+        for (int i = 0; i < kWords; ++i) {
+          words[i] = pack(accum(2 * i), accum(2 * i + 1));
+        }
+        held_m = int(work.M_idx) * kTileM;
+        held_n = int(work.N_idx) * kTileN;
+        held = true;
+        auto [next, unused] = scheduler.fetch_next_work(work);
+        work = next;
+      }
+      if (held) {
+        store_tile(words, held_m, held_n, coords, d, ldd, M, N);
+      }
+    }
+#endif
+  }
+};
+
+}  // namespace cudal2_sm90
+
+
 namespace cudal2_sm90 {
 
 using namespace cute;
@@ -90,16 +377,18 @@ constexpr int AlignmentC = AlignmentD;  // C is void; value only has to be well-
 // ---------------------------------------------------------------------------------------------
 // Tiling and schedules
 // ---------------------------------------------------------------------------------------------
-using TileShape    = Shape<Int<64>, Int<256>, Int<64>>;
+using TileShape    = Shape<Int<128>, Int<256>, Int<64>>;
 using ClusterShape = Shape<Int<2>, Int<1>, _1>;
 
-using KernelSchedule = cutlass::gemm::KernelTmaWarpSpecializedPingpong;
+using KernelSchedule = cutlass::gemm::KernelTmaWarpSpecializedCooperative;
 // Whether the mainloop ends up cooperative (two consumer warpgroups sharing one tile). For
 // "auto", CUTLASS picks cooperative unless tile_m == 64 (then ping-pong); checked below.
-constexpr bool kCooperative = false;
+constexpr bool kCooperative = true;
 
-// TMA warp-specialized epilogue, matched to the mainloop schedule.
-using EpilogueSchedule = cutlass::epilogue::TmaWarpSpecialized;
+// No epilogue collective runs: OverlapCooperative (above) stores each tile from registers
+// during the next tile's first k-block. The no-smem epilogue's types only carry D's pointer
+// and stride, and leave all shared memory to the mainloop's stages.
+using EpilogueSchedule = cutlass::epilogue::NoSmemWarpSpecialized;
 
 using TileSchedulerTag = cutlass::gemm::PersistentScheduler;
 
@@ -135,8 +424,8 @@ using CollectiveMainloop = typename cutlass::gemm::collective::CollectiveBuilder
 
 using ProblemShape = Shape<int, int, int, int>;  // M, N, K, L (L = 1)
 
-using GemmKernel = cutlass::gemm::kernel::GemmUniversal<
-    ProblemShape, CollectiveMainloop, CollectiveEpilogue, TileSchedulerTag>;
+using GemmKernel = OverlapCooperative<cutlass::gemm::kernel::GemmUniversal<
+    ProblemShape, CollectiveMainloop, CollectiveEpilogue, TileSchedulerTag>>;
 
 using Gemm = cutlass::gemm::device::GemmUniversalAdapter<GemmKernel>;
 
@@ -387,9 +676,31 @@ inline typename Gemm::Arguments make_arguments(int M, int N, int K, int64_t lda,
   args.hw_info.device_id = device;
   args.hw_info.sm_count = facts.sm_count;
   args.hw_info.max_active_clusters = facts.max_active_clusters;
+  // An even grid: no more CTAs than it takes to give each as many tiles as the busiest CTA of
+  // a full grid gets (512 tiles on 132 SMs: 128 CTAs of 4 tiles, not 116 of 4 and 16 of 3).
+  // The tiles are counted as the scheduler counts them (rounded up to whole swizzle groups
+  // and clusters).
+  {
+    using SchedulerParams = cutlass::gemm::kernel::detail::PersistentTileSchedulerSm90Params;
+    int const gemm_m = cute::get<0>(args.problem_shape), gemm_n = cute::get<1>(args.problem_shape);
+    int const tiles_m = (gemm_m + int(cute::size<0>(TileShape{})) - 1) / int(cute::size<0>(TileShape{}));
+    int const tiles_n = (gemm_n + int(cute::size<1>(TileShape{})) - 1) / int(cute::size<1>(TileShape{}));
+    int const swizzle = 1 << SchedulerParams::get_log_swizzle_size(tiles_m, tiles_n, 8);
+    int64_t const total = int64_t(round_up(tiles_m, swizzle * kClusterM)) * round_up(tiles_n, swizzle * kClusterN) *
+                          int64_t(cute::get<3>(args.problem_shape));
+    int const cluster = kClusterM * kClusterN;
+    int const slots = facts.max_active_clusters > 0 ? facts.max_active_clusters * cluster
+                                                    : facts.sm_count / cluster * cluster;
+    int64_t const waves = (total + slots - 1) / slots;
+    int const ctas = int(round_up((total + waves - 1) / waves, int64_t(cluster)));
+    args.hw_info.sm_count = std::min(facts.sm_count, ctas);
+    if (facts.max_active_clusters > 0) {
+      args.hw_info.max_active_clusters = std::min(facts.max_active_clusters, ctas / cluster);
+    }
+  }
 
-  args.scheduler.max_swizzle_size = 1;
-  args.scheduler.raster_order = RasterOrderOptions::Heuristic;
+  args.scheduler.max_swizzle_size = 8;
+  args.scheduler.raster_order = RasterOrderOptions::AlongN;
   return args;
 }
 
