@@ -5,6 +5,8 @@
 #   scripts/gpu_session.sh devset  -> cudal2 bench on every row of shapes/dev.csv (DEVSET=path)
 #   scripts/gpu_session.sh devset-remeasure -> every dev row's best kernels (TOP per protocol) measured by
 #     this version's protocol, then scripts/remeasure.py (an independent check) on the same rows
+#   scripts/gpu_session.sh protocol-probe -> scripts/protocol_probe.py on the first ROWS (6) dev rows
+#   scripts/gpu_session.sh winners -> examples/llama_mlp.py at TOKENS (1,16,128): tuned, exported, run through the op
 #   scripts/gpu_session.sh sweep   -> a grid of sm80_mma configurations at 4096^3
 #   scripts/gpu_session.sh sweep-occupancy -> 128x128 tiles at two blocks per SM
 #   scripts/gpu_session.sh ceiling -> what mma.sync can reach here: benchmarks/mma_sync_peak.cu, then
@@ -60,6 +62,12 @@ for stage in "$@"; do
       done 2>&1 | tee "$out/devset-remeasure.jsonl"
       python3 scripts/remeasure.py "${DEVSET:-../shared/shapes/dev.csv}" "$results" --out "$out/remeasure.json" \
         2>"$out/remeasure.log" | tee "$out/remeasure.md" ;;
+    protocol-probe)  # the protocol's times in variants where the independent check disagrees (scripts/protocol_probe.py)
+      python3 scripts/protocol_probe.py "${DEVSET:-../shared/shapes/dev.csv}" "$results" --rows "${ROWS:-6}" 2>&1 \
+        | tee "$out/protocol-probe.md" ;;
+    winners)  # use the winners on this GPU: examples/llama_mlp.py (tune, export, the op eager and in a graph)
+      python3 examples/llama_mlp.py --tokens "${TOKENS:-1,16,128}" --iterations "${ITERATIONS:-1}" --results "$results" \
+        --library "$out/llama-mlp-library" 2>&1 | tee "$out/llama-mlp.md" ;;
     devset-grids)  # m n k dtype layout template grid...; one JSON document per line
       grep -v '^#' "${GRIDS:-scripts/devset_grids.txt}" | while read -r m n k dtype layout template grid; do
         cudal2 bench --m "$m" --n "$n" --k "$k" --dtype "$dtype" --layout "$layout" --budget "${BUDGET:-0.2}" \
