@@ -15,13 +15,13 @@ with fake implementations, so the ops work eagerly, under torch.compile and in C
 
 from __future__ import annotations
 
-import ctypes
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
 from .runtime import DispatchTable, serving
+from .verify import Kernel
 
 DTYPES = {torch.float16: "fp16", torch.bfloat16: "bf16"}
 _state: dict = {"table": None, "kernels": {}}
@@ -50,16 +50,9 @@ def _environment() -> dict:
             "cuda": torch.version.cuda}
 
 
-def _kernel(path: Path):
+def _kernel(path: Path) -> Kernel:
     if path not in _state["kernels"]:
-        lib = ctypes.CDLL(str(path))
-        lib.cudal2_gemm.restype = ctypes.c_int
-        lib.cudal2_gemm.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int] * 3 + [ctypes.c_void_p, ctypes.c_size_t,
-                                                                                   ctypes.c_void_p]
-        if hasattr(lib, "cudal2_workspace_bytes"):
-            lib.cudal2_workspace_bytes.restype = ctypes.c_size_t
-            lib.cudal2_workspace_bytes.argtypes = [ctypes.c_int] * 3
-        _state["kernels"][path] = lib
+        _state["kernels"][path] = Kernel(str(path))
     return _state["kernels"][path]
 
 
@@ -76,12 +69,12 @@ def _tuned(a: torch.Tensor, b: torch.Tensor, layout: str) -> torch.Tensor | None
     entry = table.choose(m, n, k, DTYPES[a.dtype], layout)
     if entry is None:
         return None
-    lib = _kernel(table.root / entry.library)
+    kernel = _kernel(table.root / entry.library)
     out = torch.empty((m, n), dtype=a.dtype, device=a.device)
-    size = lib.cudal2_workspace_bytes(m, n, k) if hasattr(lib, "cudal2_workspace_bytes") else 0
+    size = kernel.workspace_bytes(m, n, k)
     workspace = torch.empty(max(1, size), dtype=torch.uint8, device=a.device)
-    code = lib.cudal2_gemm(a.data_ptr(), b.data_ptr(), out.data_ptr(), m, n, k, workspace.data_ptr(), size,
-                           torch.cuda.current_stream(a.device).cuda_stream)
+    code = kernel.gemm(a.data_ptr(), b.data_ptr(), out.data_ptr(), m, n, k, workspace.data_ptr(), size,
+                       torch.cuda.current_stream(a.device).cuda_stream)
     return out if code == 0 else None  # a kernel that declines the shape: the library call runs
 
 

@@ -23,7 +23,6 @@ against the faster baseline), and the leaderboard's claim beside it with the dif
 from __future__ import annotations
 
 import argparse
-import ctypes
 import json
 import math
 import statistics
@@ -37,8 +36,9 @@ from torch.autograd import DeviceType
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from cudal2.baselines import build_baselines  # noqa: E402
+from cudal2.baselines import CublasLt, build_baselines  # noqa: E402
 from cudal2.shapes import read_shapes  # noqa: E402
+from cudal2.verify import Kernel  # noqa: E402
 from cudal2.compile import Compiler, default_cache_dir  # noqa: E402
 from cudal2.leaderboard import Leaderboard, best, select  # noqa: E402
 from cudal2.problem import Problem  # noqa: E402
@@ -46,25 +46,14 @@ from cudal2.problem import Problem  # noqa: E402
 SETS, GRAPH_CALLS, GRAPH_REPLAYS = 3, 20, 15
 
 
-def load(path: Path):
-    """A library implementing the kernel ABI, loaded with ctypes."""
-    lib = ctypes.CDLL(str(path))
-    lib.cudal2_gemm.restype = ctypes.c_int
-    lib.cudal2_gemm.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int] * 3 + [ctypes.c_void_p, ctypes.c_size_t,
-                                                                               ctypes.c_void_p]
-    if hasattr(lib, "cudal2_workspace_bytes"):
-        lib.cudal2_workspace_bytes.restype = ctypes.c_size_t
-        lib.cudal2_workspace_bytes.argtypes = [ctypes.c_int] * 3
-    return lib
-
-
-def abi_call(lib, p: Problem):
-    size = lib.cudal2_workspace_bytes(p.m, p.n, p.k) if hasattr(lib, "cudal2_workspace_bytes") else 0
+def abi_call(kernel: Kernel, p: Problem):
+    """run(a, b, c) for a library implementing the kernel ABI, on torch's current stream."""
+    size = kernel.workspace_bytes(p.m, p.n, p.k)
     workspace = torch.empty(max(1, size), dtype=torch.uint8, device="cuda")
 
     def run(a, b, c):
-        code = lib.cudal2_gemm(a.data_ptr(), b.data_ptr(), c.data_ptr(), p.m, p.n, p.k, workspace.data_ptr(),
-                               workspace.numel(), torch.cuda.current_stream().cuda_stream)
+        code = kernel.gemm(a.data_ptr(), b.data_ptr(), c.data_ptr(), p.m, p.n, p.k, workspace.data_ptr(),
+                           workspace.numel(), torch.cuda.current_stream().cuda_stream)
         if code:
             raise RuntimeError(f"cudal2_gemm returned {code}")
 
@@ -130,17 +119,17 @@ def input_sets(p: Problem):
     return sets
 
 
-def autotuned_lt(lt, p: Problem, sets, calls: int):
-    lt.cudal2_lt_heuristics.argtypes = [ctypes.c_int] * 4
-    lt.cudal2_lt_select.argtypes = [ctypes.c_int]
-    count = lt.cudal2_lt_heuristics(p.m, p.n, p.k, 32)
-    run = abi_call(lt, p)
+def autotuned_lt(lt: CublasLt, p: Problem, sets):
+    """cuBLASLt with the fastest of its heuristic's algorithms here (each timed by the
+    profiler method): (run, index, count)."""
+    count = lt.algorithms(p)
+    run = abi_call(lt.kernel, p)
     times = {}
     for i in range(count):
-        lt.cudal2_lt_select(i)
+        lt.select(i)
         times[i] = profiler_us(run, sets, 6)
     fastest = min(times, key=times.get)
-    lt.cudal2_lt_select(fastest)
+    lt.select(fastest)
     return run, fastest, count
 
 
@@ -175,8 +164,8 @@ def main() -> None:
         claim = found.iloc[0]
         build = compiler.compile(board.source(claim["source_hash"]))
         sets = input_sets(p)
-        kernel = abi_call(load(build.library), p)
-        lt, lt_index, lt_count = autotuned_lt(load(build_baselines(compiler, p)["cuBLASLt"]), p, sets, args.calls)
+        kernel = abi_call(Kernel(str(build.library)), p)
+        lt, lt_index, lt_count = autotuned_lt(CublasLt(build_baselines(compiler, p)["cuBLASLt"]), p, sets)
         torch_run = ((lambda a, b, c: torch.matmul(a, b, out=c)) if p.layout == "nn"
                      else (lambda a, b, c: F.linear(a, b)))
         contestants = {"kernel": kernel, "torch": torch_run, "cublaslt": lt}
