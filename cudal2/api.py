@@ -49,6 +49,7 @@ class TuneResult:
     environment: dict[str, Any]
     run_id: str
     outcome: Outcome = field(repr=False)
+    llm_tokens: int | None = None  # the LLM proposers' tokens over the whole run (None: no LLM)
 
     @property
     def best(self) -> dict[str, Any] | None:
@@ -218,7 +219,9 @@ def optimize(problems: list[Problem] | Problem, *, proposer: str = "search", ite
 
         outcomes = optimize_shapes(problems, context, proposer_for, Budget(iterations, batch, time_budget, patience),
                                    workers=len(gpu_workers), remeasure=remeasure, on_event=on_event)
-    return [TuneResult(p, env, run_id, o) for p, o in zip(problems, outcomes)]
+    tokens = (sum(u.get("total_tokens") or 0 for llm in llms if llm for u in llm.usage)
+              if llm_settings is not None else None)
+    return [TuneResult(p, env, run_id, o, tokens) for p, o in zip(problems, outcomes)]
 
 
 @dataclass

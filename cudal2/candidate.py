@@ -14,13 +14,15 @@ class Candidate:
 
     `params` is a sorted tuple of (name, value) pairs so that equal parameter sets are
     equal candidates; `label` names a free-form source for people (its file name) and
-    takes no part in identity.
+    `origin` the proposer that made it (its leaderboard `proposer`); neither takes part in
+    identity.
     """
 
     template: str | None = None
     params: tuple[tuple[str, Any], ...] = ()
     source: str | None = None
     label: str = field(default="", compare=False)
+    origin: str = field(default="", compare=False)
 
     @classmethod
     def from_template(cls, template: str, params: dict[str, Any]) -> Candidate:

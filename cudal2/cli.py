@@ -233,12 +233,15 @@ def optimize(
                              settings=settings, gpus=api.gpu_indices(gpus), on_event=on_event)
     outcomes = [t.outcome for t in tuned]
     env, run_id = tuned[0].environment, tuned[0].run_id
-    summaries = [optimize_summary(p, env, o, run_id) for p, o in zip(problems, outcomes)]
+    summaries = [{**optimize_summary(p, env, o, run_id), "llm_tokens_run": tuned[0].llm_tokens}
+                 for p, o in zip(problems, outcomes)]
     if not json_out:
         for problem, outcome in zip(problems, outcomes):
             if len(problems) > 1:
                 print(f"{problem}:")
             print_optimize_summary(outcome, mode)
+        if tuned[0].llm_tokens is not None:
+            print(f"LLM tokens this run: {tuned[0].llm_tokens}")
     if json_out:
         print(json.dumps(summaries[0] if shapes is None and model is None else
                          {"shapes": summaries, "summary": set_summary(summaries, mode)}, indent=1, default=str))

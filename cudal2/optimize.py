@@ -23,7 +23,7 @@ from .errors import Cudal2Error
 from .leaderboard import BASELINES, Leaderboard, select, source_hash
 from .pipeline import Built, Context, build_all, invalid_row, measure_baselines, measure_row
 from .problem import Problem
-from .propose import Proposer
+from .propose import Proposer, from_proposer
 from .render import render
 
 
@@ -53,6 +53,22 @@ class Outcome:
     @property
     def statuses(self) -> dict[str, int]:
         return dict(Counter(row["status"] for row in self.rows if row["kernel"] not in BASELINES))
+
+    @property
+    def contributions(self) -> dict[str, dict[str, Any]]:
+        """Per proposer: candidates measured (or rejected), how many verified, its best speedup."""
+        found: dict[str, dict[str, Any]] = {}
+        for row in self.rows:
+            if row["kernel"] in BASELINES:
+                continue
+            mine = found.setdefault(row.get("proposer") or "?", {"candidates": 0, "ok": 0, "best_speedup": None})
+            mine["candidates"] += 1
+            if row["status"] == "ok":
+                mine["ok"] += 1
+                speedup = row.get("speedup_offline")
+                if speedup is not None and speedup == speedup and (mine["best_speedup"] or 0) < speedup:
+                    mine["best_speedup"] = speedup
+        return found
 
 
 Event = Callable[[str, dict[str, Any]], None]
@@ -102,7 +118,7 @@ def optimize(ctx: Context, proposer: Proposer, budget: Budget, *, remeasure: boo
 
     def prepare(snapshot: list[dict[str, Any]], generation: int) -> tuple[list[Built], list[dict[str, Any]]]:
         """Propose and compile one batch (runs beside the GPU work of the previous one)."""
-        proposals = proposer.propose(ctx.problem, snapshot, budget.batch)
+        proposals = [from_proposer(p, proposer.name) for p in proposer.propose(ctx.problem, snapshot, budget.batch)]
         fresh, invalid = [], []
         for proposal in proposals:
             if not isinstance(proposal, Candidate):

@@ -141,7 +141,8 @@ def measure_baselines(ctx: Context) -> list[dict[str, Any]]:
 
 def _candidate_row(ctx: Context, candidate: Candidate, source: str, build: Build | None) -> dict[str, Any]:
     row = {
-        **ctx.base_row(), "kernel": str(candidate), "candidate_id": candidate.id,
+        **ctx.base_row(), "proposer": candidate.origin or ctx.proposer, "kernel": str(candidate),
+        "candidate_id": candidate.id,
         "template": candidate.template, "params": candidate.params_json if candidate.template else None,
         "source_hash": ctx.leaderboard.store_source(source),
     }

@@ -8,6 +8,8 @@ proposers that parse free text, `Invalid` records of proposals that were unusabl
 
 from __future__ import annotations
 
+import dataclasses
+
 import itertools
 import json
 import math
@@ -274,8 +276,16 @@ class HybridProposer:
         self.first, self.second = first, second
 
     def propose(self, problem: Problem, history: list[dict[str, Any]], n: int) -> list:
-        ideas = self.first.propose(problem, history, (n + 1) // 2)
+        ideas = [from_proposer(idea, self.first.name) for idea in self.first.propose(problem, history, (n + 1) // 2)]
         usable = sum(1 for idea in ideas if isinstance(idea, Candidate))
         extra = [row for idea in ideas if isinstance(idea, Candidate) and idea.template
                  for row in [{"template": idea.template, "params": idea.params_json}]]
-        return ideas + self.second.propose(problem, history + extra, n - usable)
+        return ideas + [from_proposer(idea, self.second.name)
+                        for idea in self.second.propose(problem, history + extra, n - usable)]
+
+
+def from_proposer(proposal, name: str):
+    """The proposal with `name` as its origin, unless it has one (an Invalid stays as it is)."""
+    if isinstance(proposal, Candidate) and not proposal.origin:
+        return dataclasses.replace(proposal, origin=name)
+    return proposal

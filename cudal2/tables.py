@@ -85,7 +85,8 @@ def optimize_summary(problem: Problem, env: dict[str, Any], outcome, run_id: str
         "problem": problem.__dict__, "gpu": env["gpu"], "baseline": outcome.baseline, "baseline_us": outcome.baseline_us,
         "best": jsonable([outcome.best])[0] if outcome.best else None,
         "exported": str(outcome.exported) if outcome.exported else None,
-        "statuses": outcome.statuses, "stopped": outcome.stopped, "duplicates": outcome.duplicates,
+        "statuses": outcome.statuses, "contributions": outcome.contributions, "stopped": outcome.stopped,
+        "duplicates": outcome.duplicates,
         "wall_s": round(outcome.wall_s, 2), "gpu_s": round(outcome.gpu_s, 2), "compile_s": round(outcome.compile_s, 2),
         "run_id": run_id,
     }
@@ -111,6 +112,9 @@ def print_optimize_summary(outcome, mode: str) -> None:
         print("best: no verified kernel")
     print("candidates: " + ", ".join(f"{n} {s}" for s, n in sorted(outcome.statuses.items())) +
           f"; {outcome.duplicates} skipped as already measured")
+    print("by proposer: " + "; ".join(
+        f"{name} {c['candidates']} candidate(s), {c['ok']} ok, best {fmt(c['best_speedup'], 3)}x"
+        for name, c in sorted(outcome.contributions.items())))
     print(f"stopped: {outcome.stopped}; wall {outcome.wall_s:.1f} s, GPU {outcome.gpu_s:.1f} s, "
           f"compile {outcome.compile_s:.1f} s")
 

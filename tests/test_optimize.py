@@ -588,3 +588,16 @@ def test_a_proposal_measured_before_is_reported_back_not_dropped(tmp_path, compi
     assert repeat["kernel"] == str(first) and f"was measured as {first}: ok, " in repeat["error"]
     assert "the fastest library call" in repeat["error"]
     assert "repeat" not in set(Leaderboard(tmp_path / "results").read()["status"])  # a note, not a measurement
+
+
+def test_each_row_names_the_proposer_that_made_it_and_the_run_counts_them(tmp_path, compiler):
+    """hybrid: the LLM's (here a script's) candidates and the search's share a batch; each
+    row's `proposer` says whose it was, and the outcome sums what each contributed."""
+    scripted = Scripted([template_candidate("sm80_mma", {"stages": "3"}, 90)])
+    hybrid = HybridProposer(scripted, sm80_search())
+    out = optimize(context(tmp_path, compiler, StandInWorker()), hybrid, Budget(iterations=1, batch=3))
+    rows = Leaderboard(tmp_path / "results").read()
+    kernels = rows[~rows["kernel"].isin(BASELINES)]
+    assert sorted(kernels["proposer"]) == ["scripted", "search", "search"]
+    assert {name: c["candidates"] for name, c in out.contributions.items()} == {"scripted": 1, "search": 2}
+    assert all(c["ok"] == c["candidates"] and c["best_speedup"] > 0 for c in out.contributions.values())
