@@ -4,12 +4,14 @@ two methods (cudal2/bench.py), on rotating input sets whose every output is chec
 The kernel method reads CUPTI activity records through cupti-python: it needs no torch
 (CuPy owns the GPU here, torch is only one of the baselines) and sees every kernel, memset
 and copy on any stream, so a call's work on a stream of its own is counted, not hidden.
+The graph method must not run where CUPTI is loaded: with CUPTI attached, even with every
+activity kind disabled (or after cuptiFinalize), each kernel replayed from a graph costs
+0.2-0.9 us more (measured on an H200), so cudal2/worker.py times it in a process of its own.
 """
 
 from __future__ import annotations
 
 import bisect
-import contextlib
 import random
 import time
 from collections.abc import Callable
@@ -20,16 +22,22 @@ from .bench import INPUT_SETS, kernel_rounds, graph_rounds, summarize
 from .problem import Problem
 from .verify import UNIT_ROUNDOFF, Numerics, Rejected, compare, poison_output
 
-# A model's neighbour of a GEMM: an elementwise pass over 8 MB (an activation, a residual
-# add), so that a call in the graph starts behind real work, as in a model.
+# The graph method's neighbour of each call: a kernel that fills every SM (4 blocks of 256
+# threads each) for about 6 us, as an activation or a norm between two GEMMs does, but
+# touches no memory. A neighbour that streams memory (8 MB, as first built) runs slower
+# after a call that evicted its data, and the subtraction charged that to the call: on an
+# H200, 64x8192x8192 read 44.6 us in the graph behind it, 35.4 us behind this one, 36.0 us
+# by CUPTI alone.
 NEIGHBOUR_SOURCE = r"""
-extern "C" __global__ void cudal2_neighbour(float* x, unsigned n) {
-  for (unsigned i = blockIdx.x * blockDim.x + threadIdx.x; i < n; i += gridDim.x * blockDim.x)
-    x[i] = x[i] * 0.5f + 1.0f;
+extern "C" __global__ void cudal2_neighbour(float* out, unsigned iterations) {
+  float x = threadIdx.x * 1e-3f, y = blockIdx.x * 1e-3f;
+  for (unsigned i = 0; i < iterations; ++i) { x = fmaf(x, 0.999f, y); y = fmaf(y, 0.999f, x); }
+  if (x == 12345.0f) out[0] = y;  // never true: keeps the loop
 }
 """
-NEIGHBOUR_FLOATS = 2 << 20  # 8 MB
+NEIGHBOUR_ITERATIONS = 600  # about 6 us at 1.98 GHz
 GRAPH_TARGET_US = 2000.0  # device time of one graph replay to aim for
+LEAD_CALLS = INPUT_SETS - 1  # untimed calls ahead of each timed call (kernel method)
 
 
 class CuptiTimer:
@@ -50,18 +58,6 @@ class CuptiTimer:
         cupti.activity_register_callbacks(lambda: (8 << 20, 0), self._completed)
         for kind in self.KINDS:
             cupti.activity_enable(getattr(cupti.ActivityKind, kind))
-
-    @contextlib.contextmanager
-    def paused(self):
-        """No activity records within: tracing kernels replayed from a CUDA graph costs each
-        of them device time (measured on an H200: graph times 12-26% above an untraced run)."""
-        for kind in self.KINDS:
-            self.cupti.activity_disable(getattr(self.cupti.ActivityKind, kind))
-        try:
-            yield
-        finally:
-            for kind in self.KINDS:
-                self.cupti.activity_enable(getattr(self.cupti.ActivityKind, kind))
 
     def _completed(self, activities) -> None:
         self._records.extend((a.start, a.end) for a in activities)
@@ -121,8 +117,28 @@ def neighbour_kernel(stream) -> Callable[[], None]:
     import cupy
 
     kernel = cupy.RawKernel(NEIGHBOUR_SOURCE, "cudal2_neighbour")
-    scratch = cupy.ones(NEIGHBOUR_FLOATS, cupy.float32)
-    return lambda: kernel((264,), (256,), (scratch, cupy.uint32(NEIGHBOUR_FLOATS)), stream=stream)
+    out = cupy.zeros(1, cupy.float32)
+    blocks = 4 * cupy.cuda.Device().attributes["MultiProcessorCount"]
+    return lambda: kernel((blocks,), (256,), (out, cupy.uint32(NEIGHBOUR_ITERATIONS)), stream=stream)
+
+
+def graph_calls(names, run, sets: InputSets, stream) -> int:
+    """Calls per graph (a multiple of the sets) so that one replay takes about
+    GRAPH_TARGET_US, from the typical contestant's time by events around a call on each set
+    (an upper bound: the host's launch time is in it)."""
+    import cupy
+
+    start, end = cupy.cuda.Event(), cupy.cuda.Event()
+    times = []
+    for name in names:
+        start.record(stream)
+        for s in range(len(sets.a)):
+            run[name](sets.a[s], sets.b[s], sets.c[name][s])
+        end.record(stream)
+        end.synchronize()
+        times.append(cupy.cuda.get_elapsed_time(start, end) * 1e3 / len(sets.a))
+    per_call = sorted(times)[len(times) // 2] + 6.0  # the neighbour takes about 6 us
+    return INPUT_SETS * max(1, min(20, round(GRAPH_TARGET_US / per_call / INPUT_SETS)))
 
 
 def graphs(names, run, sets: InputSets, stream, calls: int, neighbour: Callable[[], None] | None = None):
@@ -157,10 +173,13 @@ def graphs(names, run, sets: InputSets, stream, calls: int, neighbour: Callable[
     return replay
 
 
-def time_contestants(run: dict[str, Callable], problem: Problem, *, stream, timer: CuptiTimer,
-                     environment: dict[str, Any], settings: dict[str, Any], rng: random.Random,
-                     tolerance: dict[str, float], suspect: str = "kernel") -> dict[str, dict[str, dict]]:
-    """{method: {name: Timing as dict}} for every contestant of `run` (name -> run(a, b, c)).
+def time_contestants(run: dict[str, Callable], problem: Problem, *, stream, environment: dict[str, Any],
+                     settings: dict[str, Any], rng: random.Random, tolerance: dict[str, float],
+                     methods: tuple[str, ...], timer: CuptiTimer | None = None,
+                     suspect: str = "kernel") -> dict[str, dict[str, dict]]:
+    """{method: {name: Timing as dict}} for every contestant of `run` (name -> run(a, b, c)),
+    by those of `methods` ("graph", "kernel", "server") that the settings' mode asks for;
+    "kernel" and "server" need the CUPTI `timer`.
 
     "cuBLAS" must be among them: every output of every timed call is compared with cuBLAS's
     on the same inputs, within `tolerance[name]` (relative to max |C|) plus cuBLAS's own;
@@ -171,7 +190,6 @@ def time_contestants(run: dict[str, Callable], problem: Problem, *, stream, time
     num = Numerics(problem.dtype)
     names = list(run)
     sets = InputSets(problem, num, names, rng)
-    l2 = cupy.empty(2 * environment["l2_bytes"], dtype=cupy.uint8)
 
     def call(name: str, s: int) -> None:
         run[name](sets.a[s], sets.b[s], sets.c[name][s])
@@ -192,56 +210,61 @@ def time_contestants(run: dict[str, Callable], problem: Problem, *, stream, time
             raise Rejected("cheat" if name == suspect else "wrong",
                            f"{name}: output of a timed call differs from cuBLAS's on the same inputs ({why})")
 
+    def lead(name: str, s: int) -> None:  # the other sets' calls, untimed, right before
+        for t in range(1, LEAD_CALLS + 1):
+            call(name, (s + t) % len(sets.a))
+
     budget = settings.get("budget_s", 1.0)
     seed = rng.getrandbits(32)
+    mode = settings.get("mode", "offline")
+    offline, server = mode in ("offline", "both"), mode in ("server", "both")
+    timings: dict[str, dict[str, dict]] = {}
     with stream:
         for name in names:  # warm-up: module load, handles, cuBLAS workspaces, autotuned plans
             call(name, 0)
         stream.synchronize()
-        timings: dict[str, dict[str, dict]] = {}
-        mode = settings.get("mode", "offline")
-        if mode in ("offline", "both"):
-            kernel = kernel_rounds(names, call=call, refresh=refresh, check=check, timer=timer,
-                                   budget_s=budget, rng=random.Random(seed))
-            timings["kernel"] = {n: asdict(summarize(v)) for n, v in kernel.items()}
-            typical = sorted(t["median_us"] for t in timings["kernel"].values())[len(names) // 2]
-            per_call = typical + 5.0  # the neighbour takes about 4-5 us
-            calls = INPUT_SETS * max(1, min(20, round(GRAPH_TARGET_US / per_call / INPUT_SETS)))
+        if offline and "graph" in methods:
+            calls = graph_calls(names, run, sets, stream)
             for s in range(INPUT_SETS):
                 refresh(s)
-            with timer.paused():
-                replay = graphs(names, run, sets, stream, calls)
-                graph = graph_rounds(names, replay=replay, calls=calls, budget_s=budget, rng=random.Random(seed + 1))
+            replay = graphs(names, run, sets, stream, calls)
+            graph = graph_rounds(names, replay=replay, calls=calls, budget_s=budget, rng=random.Random(seed + 1))
             for name in names:
                 for s in range(INPUT_SETS):
                     check(name, s)
             timings["graph"] = {n: asdict(summarize(v)) for n, v in graph.items()}
-        if mode in ("server", "both"):
+        if offline and "kernel" in methods:
+            kernel = kernel_rounds(names, call=call, refresh=refresh, check=check, timer=timer,
+                                   budget_s=budget, rng=random.Random(seed), before=lead)
+            timings["kernel"] = {n: asdict(summarize(v)) for n, v in kernel.items()}
+        if server and "server" in methods:
             qps = settings.get("qps", 200.0)
             gaps = random.Random(seed + 2)
+            l2 = cupy.empty(2 * environment["l2_bytes"], dtype=cupy.uint8)
 
-            def pause() -> None:
+            def pause(name: str, s: int) -> None:
                 time.sleep(gaps.expovariate(qps))
                 l2.fill(0)
 
-            server = kernel_rounds(names, call=call, refresh=refresh, check=check, timer=timer,
-                                   budget_s=budget, rng=random.Random(seed + 3), pause=pause)
-            timings["server"] = {n: asdict(summarize(v)) for n, v in server.items()}
+            server_samples = kernel_rounds(names, call=call, refresh=refresh, check=check, timer=timer,
+                                           budget_s=budget, rng=random.Random(seed + 3), before=pause)
+            timings["server"] = {n: asdict(summarize(v)) for n, v in server_samples.items()}
     return timings
 
 
-def interleaved_medians(run: Callable[[str, object, object, object], None], names: list[str], problem: Problem, *,
-                        stream, timer: CuptiTimer, rng: random.Random, warmup: int = 5,
-                        rounds: int = 4 * INPUT_SETS) -> dict[str, float]:
-    """The kernel method's median for each of `names` (run(name, a, b, c) calls one), all
-    timed in the same shuffled rounds on rotating sets after `warmup` untimed calls each,
-    so that the clock's ramp and drift fall on all alike (the cuBLASLt autotuning)."""
-    sets = InputSets(problem, Numerics(problem.dtype), ["it"], rng)
+def graph_medians(run: Callable[[str, object, object, object], None], names: list[str], problem: Problem, *,
+                  stream, rng: random.Random, rounds: int = 5) -> dict[str, float]:
+    """The graph method's median for each of `names` (run(name, a, b, c) calls one), all
+    replayed in the same shuffled rounds on rotating sets, so that the clock's drift falls
+    on all alike (the cuBLASLt autotuning: the algorithm a model's graph would run fastest).
+    A contestant's choice must be made when its call is captured: run() makes it."""
+    sets = InputSets(problem, Numerics(problem.dtype), ["shared"], rng)
+    sets.c = {name: sets.c["shared"] for name in names}  # one output per set, whoever writes it
+    contestants = {name: (lambda a, b, c, name=name: run(name, a, b, c)) for name in names}
     with stream:
-        for _ in range(warmup):
-            for name in names:
-                run(name, sets.a[0], sets.b[0], sets.c["it"][0])
-        samples = kernel_rounds(names, call=lambda name, s: run(name, sets.a[s], sets.b[s], sets.c["it"][s]),
-                                refresh=sets.refresh, check=lambda *_: None, timer=timer, budget_s=0.0,
-                                rng=rng, min_rounds=rounds)
+        for name in names:
+            contestants[name](sets.a[0], sets.b[0], sets.c[name][0])
+        calls = graph_calls(names, contestants, sets, stream)
+        replay = graphs(names, contestants, sets, stream, calls)
+        samples = graph_rounds(names, replay=replay, calls=calls, budget_s=0.0, rng=rng, min_rounds=rounds)
     return {name: summarize(values).median_us for name, values in samples.items()}

@@ -5,7 +5,7 @@
 #   scripts/gpu_session.sh devset  -> cudal2 bench on every row of shapes/dev.csv (DEVSET=path)
 #   scripts/gpu_session.sh devset-remeasure -> every dev row's best kernels (TOP per protocol) measured by
 #     this version's protocol, then scripts/remeasure.py (an independent check) on the same rows
-#   scripts/gpu_session.sh protocol-probe -> scripts/protocol_probe.py on the first ROWS (6) dev rows
+#   scripts/gpu_session.sh protocol-probe -> scripts/protocol_probe.py on dev rows ROWS (0-based, 0,1,2,3,4,5)
 #   scripts/gpu_session.sh winners -> examples/llama_mlp.py at TOKENS (1,16,128): tuned, exported, run through the op
 #   scripts/gpu_session.sh sweep   -> a grid of sm80_mma configurations at 4096^3
 #   scripts/gpu_session.sh sweep-occupancy -> 128x128 tiles at two blocks per SM
@@ -63,8 +63,12 @@ for stage in "$@"; do
       python3 scripts/remeasure.py "${DEVSET:-../shared/shapes/dev.csv}" "$results" --out "$out/remeasure.json" \
         2>"$out/remeasure.log" | tee "$out/remeasure.md" ;;
     protocol-probe)  # the protocol's times in variants where the independent check disagrees (scripts/protocol_probe.py)
-      python3 scripts/protocol_probe.py "${DEVSET:-../shared/shapes/dev.csv}" "$results" --rows "${ROWS:-6}" 2>&1 \
-        | tee "$out/protocol-probe.md" ;;
+      # with the SM clock and power logged beside it (nvidia-smi, every 50 ms)
+      nvidia-smi --query-gpu=timestamp,clocks.sm,power.draw,temperature.gpu --format=csv,noheader -lms 50 \
+        > "$out/clocks.csv" 2>/dev/null & smi=$!
+      python3 scripts/protocol_probe.py "${DEVSET:-../shared/shapes/dev.csv}" "$results" --rows "${ROWS:-0,1,2,3,4,5}" \
+        --out "$out/protocol-probe.json" 2>&1 | tee "$out/protocol-probe.md"
+      kill "$smi" ;;
     winners)  # use the winners on this GPU: examples/llama_mlp.py (tune, export, the op eager and in a graph)
       python3 examples/llama_mlp.py --tokens "${TOKENS:-1,16,128}" --iterations "${ITERATIONS:-1}" --results "$results" \
         --library "$out/llama-mlp-library" 2>&1 | tee "$out/llama-mlp.md" ;;

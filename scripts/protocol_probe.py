@@ -1,28 +1,35 @@
 """GPU: what moves the protocol's two times, for the rows where they and the independent
-check (scripts/remeasure.py) disagree (docs/h200-2026-12-01-protocol.md).
+check (scripts/remeasure.py) disagree, or where the two methods disagree with each other
+(docs/h200-2026-12-01-protocol.md).
 
-    python scripts/protocol_probe.py SHAPES.csv [RESULTS] [--rows 6]
+    python scripts/protocol_probe.py SHAPES.csv [RESULTS] [--rows 0,1,2] [--out FILE.json]
 
-For the first `--rows` rows of the shape set, the leaderboard's best kernel, cuBLASLt (the
-heuristic's first algorithm) and torch.matmul are timed through the protocol's own code
-(cudal2/measure.py) in these variants:
+For the chosen rows (0-based data rows) of the shape set, the leaderboard's best kernel,
+cuBLASLt (the heuristic's first algorithm) and torch.matmul are timed through the
+protocol's own code (cudal2/measure.py) in these variants:
 
 - `graph, no CUPTI`: the graph method before CUPTI is ever enabled in this process, behind
-  the protocol's neighbour (264 blocks, grid-stride) and behind a torch-like elementwise
-  kernel (a float4 per thread, 2048 blocks);
+  the protocol's neighbour, and behind a neighbour that touches no memory (`compute`);
 - `kernel, fresh` (the protocol: each round's set refreshed and C poisoned just before the
-  calls) and `kernel, reused` (the sets keep their contents, as the independent check's);
-- `graph, CUPTI paused`: the protocol's graph method, both neighbours.
+  calls), `kernel, reused` (the sets keep their contents, as the independent check's) and
+  `kernel, sustained` (each timed call right behind three untimed calls of the same
+  contestant on the other sets, so the clock is that of a busy GPU);
+- `graph, CUPTI paused` and `graph, CUPTI finalized` (cuptiFinalize before, re-attached after),
+  behind both neighbours, and `graph, set blocks` (each set's calls consecutive).
 
-Prints one markdown table: median device us per variant.
+Prints one markdown table (median device us per variant) and the wall-clock window of each
+variant (for a clock log taken beside it, e.g. nvidia-smi -lms 50).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import json
 import random
 import statistics
 import sys
+import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -36,25 +43,38 @@ from cudal2.compile import Compiler  # noqa: E402
 from cudal2.config import load_settings  # noqa: E402
 from cudal2.environment import default_arch  # noqa: E402
 from cudal2.leaderboard import Leaderboard, best, select  # noqa: E402
-from cudal2.measure import CuptiTimer, InputSets, graphs  # noqa: E402
+from cudal2.measure import CuptiTimer, InputSets  # noqa: E402
 from cudal2.shapes import read_shapes  # noqa: E402
-from cudal2.verify import Kernel, Numerics, poison_output  # noqa: E402
+from cudal2.verify import Kernel, poison_output  # noqa: E402
 from cudal2.worker import _abi_call  # noqa: E402
+import cudal2.measure as measure  # noqa: E402
 
-VECTOR_NEIGHBOUR = r"""
-extern "C" __global__ void cudal2_vector_neighbour(float4* x, unsigned n4) {
-  unsigned i = blockIdx.x * blockDim.x + threadIdx.x;
-  if (i < n4) { float4 v = x[i]; x[i] = make_float4(v.x * 0.5f + 1.f, v.y * 0.5f + 1.f, v.z * 0.5f + 1.f, v.w * 0.5f + 1.f); }
+# The neighbour the protocol first used (and these variants' default): an elementwise pass
+# over 8 MB in 264 grid-stride blocks; the protocol's own now touches no memory.
+MEMORY_NEIGHBOUR = r"""
+extern "C" __global__ void cudal2_memory_neighbour(float* x, unsigned n) {
+  for (unsigned i = blockIdx.x * blockDim.x + threadIdx.x; i < n; i += gridDim.x * blockDim.x)
+    x[i] = x[i] * 0.5f + 1.0f;
 }
 """
-FLOATS = 2 << 20
 
 
-def vector_neighbour(stream):
-    kernel = cupy.RawKernel(VECTOR_NEIGHBOUR, "cudal2_vector_neighbour")
-    scratch = cupy.ones(FLOATS, cupy.float32)
-    n4 = FLOATS // 4
-    return lambda: kernel(((n4 + 255) // 256,), (256,), (scratch, cupy.uint32(n4)), stream=stream)
+def memory_neighbour(stream):
+    kernel = cupy.RawKernel(MEMORY_NEIGHBOUR, "cudal2_memory_neighbour")
+    scratch = cupy.ones(2 << 20, cupy.float32)
+    return lambda: kernel((264,), (256,), (scratch, cupy.uint32(2 << 20)), stream=stream)
+
+
+@contextlib.contextmanager
+def paused(timer):
+    """CUPTI attached, every activity kind of the timer disabled."""
+    for kind in timer.KINDS:
+        timer.cupti.activity_disable(getattr(timer.cupti.ActivityKind, kind))
+    try:
+        yield
+    finally:
+        for kind in timer.KINDS:
+            timer.cupti.activity_enable(getattr(timer.cupti.ActivityKind, kind))
 
 
 def contestants(problem, claim, board, compiler, stream):
@@ -70,17 +90,35 @@ def contestants(problem, claim, board, compiler, stream):
     return run
 
 
-def graph_medians(run, sets, stream, calls, neighbour, rng) -> dict[str, float]:
-    replay = graphs(list(run), run, sets, stream, calls, neighbour)
-    samples = graph_rounds(list(run), replay=replay, calls=calls, budget_s=0.1, rng=rng, min_rounds=9)
-    return {name: statistics.median(v) for name, v in samples.items()}
+def block_graphs(names, run, sets, stream, calls, neighbour):
+    """measure.graphs, but each set's calls consecutive (calls/3 on set 0, then set 1, ...)."""
+    class Blocked:
+        def __init__(self, sets):
+            self.a, self.b, self.c = sets.a, sets.b, sets.c
+    per = calls // len(sets.a)
+    order = [s for s in range(len(sets.a)) for _ in range(per)]
+    view = Blocked(sets)
+    view.a = [sets.a[s] for s in order]
+    view.b = [sets.b[s] for s in order]
+    view.c = {n: [sets.c[n][s] for s in order] for n in names}
+    return measure.graphs(names, run, view, stream, len(order), neighbour)
+
+
+def graph_medians(run, sets, stream, calls, neighbour, rng, blocks=False) -> dict[str, float]:
+    make = block_graphs if blocks else measure.graphs
+    replay = make(list(run), run, sets, stream, calls, neighbour)
+    samples = graph_rounds(list(run), replay=replay, calls=calls, budget_s=0.1, rng=rng, min_rounds=7)
+    out = {name: statistics.median(v) for name, v in samples.items()}
+    out["(neighbour)"] = statistics.median(replay(None) for _ in range(5)) / calls
+    return out
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("shapes", type=Path)
     parser.add_argument("results", type=Path, nargs="?", default=Path("results"))
-    parser.add_argument("--rows", type=int, default=6)
+    parser.add_argument("--rows", default="0,1,2,3,4,5")
+    parser.add_argument("--out", type=Path)
     args = parser.parse_args()
 
     board = Leaderboard(args.results)
@@ -89,26 +127,38 @@ def main() -> None:
     compiler = Compiler(default_arch(props["major"] * 10 + props["minor"]), load_settings().cache_dir)
     stream = cupy.cuda.Stream(non_blocking=True)
     rng = random.Random(0)
+    shapes = read_shapes(args.shapes)
     cases = []
-    for problem in read_shapes(args.shapes)[:args.rows]:
+    for problem in [shapes[int(i)] for i in args.rows.split(",")]:
         found = select(winners, m=problem.m, n=problem.n, k=problem.k, dtype=problem.dtype, layout=problem.layout)
         if found.empty:
             continue
         claim = found.iloc[0]
         run = contestants(problem, claim, board, compiler, stream)
-        sets = InputSets(problem, Numerics(problem.dtype), list(run), rng)
+        sets = InputSets(problem, measure.Numerics(problem.dtype), list(run), rng)
         calls = 3 * max(1, min(20, round(2000 / (float(claim["kernel_us"]) + 5) / 3)))
         cases.append((problem, run, sets, calls, {}))
+        print(f"{problem}: {claim['kernel']}, {calls} calls per graph", file=sys.stderr, flush=True)
 
+    windows = []
+
+    def variant(label, out, fn):
+        t0 = time.time()
+        out[label] = fn()
+        windows.append((label, t0, time.time()))
+
+    compute, memory = measure.neighbour_kernel(stream), memory_neighbour(stream)
     with stream:
         for problem, run, sets, calls, out in cases:  # before CUPTI is enabled in this process
             for s in range(len(sets.a)):
                 for name, call in run.items():
                     call(sets.a[s], sets.b[s], sets.c[name][s])
-            out["graph, no CUPTI"] = graph_medians(run, sets, stream, calls, None, rng)
-            out["graph, no CUPTI, vector neighbour"] = graph_medians(run, sets, stream, calls, vector_neighbour(stream), rng)
+            variant("graph, no CUPTI", out, lambda: graph_medians(run, sets, stream, calls, memory, rng))
+            variant("graph, no CUPTI, compute", out, lambda: graph_medians(run, sets, stream, calls, compute, rng))
         timer = CuptiTimer()
         for problem, run, sets, calls, out in cases:
+            names = list(run)
+
             def call(name, s, run=run, sets=sets):
                 run[name](sets.a[s], sets.b[s], sets.c[name][s])
 
@@ -117,21 +167,73 @@ def main() -> None:
                 for outputs in sets.c.values():
                     poison_output(outputs[s])
 
-            for label, refresh in (("kernel, fresh", fresh), ("kernel, reused", lambda s: None)):
-                samples = kernel_rounds(list(run), call=call, refresh=refresh, check=lambda *_: None, timer=timer,
+            class Sustained:
+                """timer.time(fn) with three untimed calls of the same contestant just before."""
+                def __init__(self, timer):
+                    self.timer, self.pending = timer, None
+
+                def time(self, fn):
+                    name, s = self.pending
+                    for t in range(1, 4):
+                        call(name, (s + t) % len(sets.a))
+                    self.timer.time(fn)
+
+                def collect(self):
+                    return self.timer.collect()
+
+            def kernel_variant(refresh, t=timer):
+                samples = kernel_rounds(names, call=call, refresh=refresh, check=lambda *_: None, timer=t,
                                         budget_s=0.2, rng=rng)
-                out[label] = {name: statistics.median(v) for name, v in samples.items()}
-            with timer.paused():
-                out["graph, CUPTI paused"] = graph_medians(run, sets, stream, calls, None, rng)
-                out["graph, CUPTI paused, vector neighbour"] = graph_medians(run, sets, stream, calls,
-                                                                              vector_neighbour(stream), rng)
+                return {name: statistics.median(v) for name, v in samples.items()}
+
+            variant("kernel, fresh", out, lambda: kernel_variant(fresh))
+            variant("kernel, reused", out, lambda: kernel_variant(lambda s: None))
+            sustained = Sustained(timer)
+
+            def sustained_variant(sustained=sustained):
+                order, values = [], []
+                deadline = time.perf_counter() + 0.2
+                rounds = 0
+                while rounds < 5 or time.perf_counter() < deadline:
+                    s = rounds % len(sets.a)
+                    fresh(s)
+                    for name in rng.sample(names, len(names)):
+                        sustained.pending = (name, s)
+                        sustained.time(lambda name=name: call(name, s))
+                        order.append(name)
+                    rounds += 1
+                for name, us in zip(order, timer.collect()):
+                    values.append((name, us))
+                return {n: statistics.median(us for m, us in values if m == n) for n in names}
+
+            variant("kernel, sustained", out, sustained_variant)
+            with paused(timer):
+                variant("graph, CUPTI paused", out, lambda: graph_medians(run, sets, stream, calls, memory, rng))
+                variant("graph, CUPTI paused, compute", out,
+                        lambda: graph_medians(run, sets, stream, calls, compute, rng))
+                variant("graph, CUPTI paused, set blocks", out,
+                        lambda: graph_medians(run, sets, stream, calls, memory, rng, blocks=True))
+                variant("graph, CUPTI paused, compute, set blocks", out,
+                        lambda: graph_medians(run, sets, stream, calls, compute, rng, blocks=True))
+            timer.cupti.activity_flush_all(1)
+            timer.cupti.finalize()
+            variant("graph, CUPTI finalized", out, lambda: graph_medians(run, sets, stream, calls, memory, rng))
+            variant("graph, CUPTI finalized, compute", out,
+                    lambda: graph_medians(run, sets, stream, calls, compute, rng))
+            timer = CuptiTimer()
 
     variants = list(cases[0][4]) if cases else []
     print("| shape | contestant | " + " | ".join(variants) + " |")
     print("|---|---|" + "---|" * len(variants))
     for problem, run, _, _, out in cases:
-        for name in run:
-            print(f"| {problem} | {name} | " + " | ".join(f"{out[v][name]:.2f}" for v in variants) + " |")
+        for name in [*run, "(neighbour)"]:
+            print(f"| {problem} | {name} | " + " | ".join(
+                f"{out[v][name]:.2f}" if name in out[v] else "" for v in variants) + " |")
+    print("\nvariant windows (unix time):")
+    for label, t0, t1 in windows:
+        print(f"{label}\t{t0:.3f}\t{t1:.3f}")
+    if args.out:
+        args.out.write_text(json.dumps({"rows": [(str(p), out) for p, _, _, _, out in cases], "windows": windows}))
 
 
 if __name__ == "__main__":

@@ -94,6 +94,24 @@ def test_a_wrong_output_stops_the_rounds():
                       budget_s=0.0, rng=random.Random(0))
 
 
+def test_lead_calls_run_untimed_on_the_other_sets_and_a_memo_still_never_pays():
+    dev = StandInDevice()
+    leads = []
+
+    def before(name, s):  # what measure.time_contestants does: the other sets' calls first
+        for t in (1, 2):
+            dev.call(name, (s + t) % INPUT_SETS)
+            leads.append((name, (s + t) % INPUT_SETS))
+
+    samples = kernel_rounds(["honest", "memo"], call=dev.call, refresh=dev.refresh, check=dev.check,
+                            timer=dev.timer, budget_s=0.0, rng=random.Random(2), min_rounds=6, before=before)
+    assert len(leads) == 2 * 12 and all(len(v) == 6 for v in samples.values())
+    # The lead calls repeat earlier contents (the memo is fast there), but they are not timed:
+    # every timed call is the first on its set's fresh contents.
+    assert samples["memo"] == [10.5] * 6 and samples["honest"] == [10.0] * 6
+    assert sum(e[0] == "call" for e in dev.log) == 12 + len(leads)
+
+
 def test_graph_samples_are_the_calls_share_beyond_the_neighbours():
     replays = {None: 500.0, "a": 500.0 + 20 * 7.5, "b": 500.0 + 20 * 9.0}
     samples = graph_rounds(["a", "b"], replay=replays.__getitem__, calls=20, budget_s=0.0, rng=random.Random(0))
@@ -161,7 +179,7 @@ def test_cublaslt_autotuning_keeps_the_fastest_algorithm_and_records_it():
 
     asked = []
 
-    def medians(indices):  # all timed together, as interleaved_medians does
+    def medians(indices):  # all timed together, as measure.graph_medians does
         asked.append(indices)
         return {0: 10.0, 1: 9.1, 2: 9.4, 3: 12.0}
 
@@ -169,3 +187,59 @@ def test_cublaslt_autotuning_keeps_the_fastest_algorithm_and_records_it():
     record = autotune(lt, Problem(64, 64, 64), medians)
     assert asked == [[0, 1, 2, 3]] and lt.selected == 1
     assert record == {"index": 1, "of": 4, "us": 9.1, "heuristic_first_us": 10.0, "algo": 21, "tile": 1}
+
+
+class StandInChild:
+    """A worker process stood in for: answers each job from `answer(job)`, logging them."""
+
+    def __init__(self, answer):
+        self.answer, self.jobs, self.environment = answer, [], {"gpu": "stand-in"}
+
+    def start(self):
+        return self.environment
+
+    def request(self, job, timeout):
+        self.jobs.append(job)
+        return self.answer(job)
+
+    def close(self):
+        pass
+
+
+def two_phase_worker(graph_answer, cupti_answer):
+    from cudal2.worker import Worker
+
+    worker = Worker()
+    worker._graph, worker._cupti = StandInChild(graph_answer), StandInChild(cupti_answer)
+    return worker
+
+
+def job(protocol="cupti-graph-2"):
+    return {"op": "kernel", "settings": {"protocol": protocol}, "library": "k.so"}
+
+
+def test_a_job_is_timed_in_the_graph_process_then_by_cupti_with_the_same_cublaslt_choice():
+    record = {"index": 3, "of": 8}
+    worker = two_phase_worker(
+        lambda j: {"status": "ok", "tolerance": 0.01, "cublaslt": record, "timings": {"graph": {"kernel": 1}}},
+        lambda j: {"status": "ok", "timings": {"kernel": {"kernel": 2}}})
+    result = worker.request(job(), 10)
+    assert result["timings"] == {"graph": {"kernel": 1}, "kernel": {"kernel": 2}}
+    assert result["cublaslt"] == record and result["tolerance"] == 0.01
+    sent = worker._cupti.jobs[0]
+    assert sent["phase"] == "cupti" and sent["cublaslt"] == record and sent["tolerance"] == 0.01
+    assert "phase" not in worker._graph.jobs[0]
+
+
+def test_a_kernel_rejected_or_slower_than_physics_in_either_process_is_not_timed_further():
+    rejected = two_phase_worker(lambda j: {"status": "wrong", "error": "max error"}, lambda j: pytest.fail("timed"))
+    assert rejected.request(job(), 10)["status"] == "wrong"
+    cheat = two_phase_worker(lambda j: {"status": "ok", "timings": {"graph": {}}},
+                             lambda j: {"status": "cheat", "error": "a cached result"})
+    result = cheat.request(job(), 10)
+    assert result["status"] == "cheat" and result["timings"] == {} and "cached" in result["error"]
+
+
+def test_a_study_protocol_stays_in_the_graph_process():
+    worker = two_phase_worker(lambda j: {"status": "ok", "timings": {"offline": {}}}, lambda j: pytest.fail("cupti"))
+    assert worker.request(job("fenced"), 10)["timings"] == {"offline": {}}
