@@ -73,6 +73,7 @@ def kernel_rounds(
     sets: int = INPUT_SETS,
     min_rounds: int = 5,
     before: Callable[[str, int], None] | None = None,
+    first_round: int = 0,
 ) -> dict[str, list[float]]:
     """Device microseconds of every call of every contestant, the kernel method.
 
@@ -82,15 +83,16 @@ def kernel_rounds(
     time of each timed call, in order. `before(name, set)` runs before each call, untimed
     (the offline methods' lead calls on the other sets; server mode's idle gap and L2 flush). After the round `check(name, set)` checks each output
     (raising if it is wrong). Rounds go on until `budget_s` of wall time is spent and at
-    least `min_rounds` rounds (and one per set) are done.
+    least `min_rounds` rounds are done; `first_round` continues the
+    rotation of an earlier call (a session that times one round at a time).
     """
     if sets < 1:
         raise ValueError("at least one input set")
     order: list[str] = []
     deadline = time.perf_counter() + budget_s
     rounds = 0
-    while rounds < max(min_rounds, sets) or time.perf_counter() < deadline:
-        current = rounds % sets
+    while rounds < min_rounds or time.perf_counter() < deadline:
+        current = (first_round + rounds) % sets
         refresh(current)
         shuffled = rng.sample(names, len(names))
         for name in shuffled:

@@ -18,7 +18,7 @@ from collections.abc import Callable
 from dataclasses import asdict
 from typing import Any
 
-from .bench import INPUT_SETS, kernel_rounds, graph_rounds, summarize
+from .bench import INPUT_SETS, OFFLINE_METHODS, graph_rounds, kernel_rounds, summarize
 from .problem import Problem
 from .verify import UNIT_ROUNDOFF, Numerics, Rejected, compare, poison_output
 
@@ -173,83 +173,108 @@ def graphs(names, run, sets: InputSets, stream, calls: int, neighbour: Callable[
     return replay
 
 
-def time_contestants(run: dict[str, Callable], problem: Problem, *, stream, environment: dict[str, Any],
-                     settings: dict[str, Any], rng: random.Random, tolerance: dict[str, float],
-                     methods: tuple[str, ...], timer: CuptiTimer | None = None,
-                     suspect: str = "kernel") -> dict[str, dict[str, dict]]:
-    """{method: {name: Timing as dict}} for every contestant of `run` (name -> run(a, b, c)),
-    by those of `methods` ("graph", "kernel", "server") that the settings' mode asks for;
-    "kernel" and "server" need the CUPTI `timer`.
+class Session:
+    """One process's side of timing the contestants of `run` (name -> run(a, b, c)): those
+    of `methods` ("graph", "kernel", "server") that the settings' mode asks for, one round
+    at a time (`round()`), so that the parent can alternate the rounds of the two processes
+    and clock and thermal drift fall on both methods alike; `finish()` returns
+    {method: {name: Timing as dict}}. "kernel" and "server" need the CUPTI `timer`.
 
-    "cuBLAS" must be among them: every output of every timed call is compared with cuBLAS's
-    on the same inputs, within `tolerance[name]` (relative to max |C|) plus cuBLAS's own;
-    a `suspect` whose output differs is a cheat (it was verified first), a baseline wrong.
+    "cuBLAS" must be among the contestants: every output of every timed call is compared
+    with cuBLAS's on the same inputs, within `tolerance[name]` (relative to max |C|) plus
+    cuBLAS's own; a `suspect` whose output differs is a cheat (it was verified first), a
+    baseline wrong (Rejected, from round() or finish()).
     """
-    import cupy
 
-    num = Numerics(problem.dtype)
-    names = list(run)
-    sets = InputSets(problem, num, names, rng)
+    def __init__(self, run: dict[str, Callable], problem: Problem, *, stream, environment: dict[str, Any],
+                 settings: dict[str, Any], rng: random.Random, tolerance: dict[str, float],
+                 methods: tuple[str, ...], timer: CuptiTimer | None = None, suspect: str = "kernel"):
+        import cupy
 
-    def call(name: str, s: int) -> None:
-        run[name](sets.a[s], sets.b[s], sets.c[name][s])
-
-    def refresh(s: int) -> None:
-        sets.refresh(s)
-        for name in names:
-            poison_output(sets.c[name][s])
-
-    def check(name: str, s: int) -> None:
-        if name == "cuBLAS":
-            return
-        ref = num.f32(sets.c["cuBLAS"][s])
-        # compare() allows max(2 roundoffs, 4 x calibration): here the contestant's own
-        # tolerance plus 2 roundoffs for cuBLAS's error
-        _, _, why = compare(sets.c[name][s], ref, num, (tolerance[name] + 2 * UNIT_ROUNDOFF[num.dtype]) / 4)
-        if why:
-            raise Rejected("cheat" if name == suspect else "wrong",
-                           f"{name}: output of a timed call differs from cuBLAS's on the same inputs ({why})")
-
-    def lead(name: str, s: int) -> None:  # the other sets' calls, untimed, right before
-        for t in range(1, LEAD_CALLS + 1):
-            call(name, (s + t) % len(sets.a))
-
-    budget = settings.get("budget_s", 1.0)
-    seed = rng.getrandbits(32)
-    mode = settings.get("mode", "offline")
-    offline, server = mode in ("offline", "both"), mode in ("server", "both")
-    timings: dict[str, dict[str, dict]] = {}
-    with stream:
-        for name in names:  # warm-up: module load, handles, cuBLAS workspaces, autotuned plans
-            call(name, 0)
-        stream.synchronize()
-        if offline and "graph" in methods:
-            calls = graph_calls(names, run, sets, stream)
-            for s in range(INPUT_SETS):
-                refresh(s)
-            replay = graphs(names, run, sets, stream, calls)
-            graph = graph_rounds(names, replay=replay, calls=calls, budget_s=budget, rng=random.Random(seed + 1))
-            for name in names:
+        self.run, self.stream, self.timer, self.tolerance, self.suspect = run, stream, timer, tolerance, suspect
+        self.num = Numerics(problem.dtype)
+        self.names = list(run)
+        self.sets = InputSets(problem, self.num, self.names, rng)
+        mode = settings.get("mode", "offline")
+        offline, server = mode in ("offline", "both"), mode in ("server", "both")
+        self.methods = [m for m in methods if (offline and m in OFFLINE_METHODS) or (server and m == "server")]
+        self.samples: dict[str, dict[str, list[float]]] = {m: {n: [] for n in self.names} for m in self.methods}
+        self.rounds = 0
+        seed = rng.getrandbits(32)
+        self.rng = {m: random.Random(seed + i) for i, m in enumerate(("kernel", "graph", "server"))}
+        with stream:
+            for name in self.names:  # warm-up: module load, handles, cuBLAS workspaces, autotuned plans
+                self.call(name, 0)
+            stream.synchronize()
+            if "graph" in self.methods:
+                self.calls = graph_calls(self.names, run, self.sets, stream)
                 for s in range(INPUT_SETS):
-                    check(name, s)
-            timings["graph"] = {n: asdict(summarize(v)) for n, v in graph.items()}
-        if offline and "kernel" in methods:
-            kernel = kernel_rounds(names, call=call, refresh=refresh, check=check, timer=timer,
-                                   budget_s=budget, rng=random.Random(seed), before=lead)
-            timings["kernel"] = {n: asdict(summarize(v)) for n, v in kernel.items()}
-        if server and "server" in methods:
-            qps = settings.get("qps", 200.0)
-            gaps = random.Random(seed + 2)
+                    self.refresh(s)
+                self.replay = graphs(self.names, run, self.sets, stream, self.calls)
+        if "server" in self.methods:
+            qps, gaps = settings.get("qps", 200.0), random.Random(seed + 3)
             l2 = cupy.empty(2 * environment["l2_bytes"], dtype=cupy.uint8)
 
             def pause(name: str, s: int) -> None:
                 time.sleep(gaps.expovariate(qps))
                 l2.fill(0)
 
-            server_samples = kernel_rounds(names, call=call, refresh=refresh, check=check, timer=timer,
-                                           budget_s=budget, rng=random.Random(seed + 3), before=pause)
-            timings["server"] = {n: asdict(summarize(v)) for n, v in server_samples.items()}
-    return timings
+            self.pause = pause
+
+    def call(self, name: str, s: int) -> None:
+        self.run[name](self.sets.a[s], self.sets.b[s], self.sets.c[name][s])
+
+    def refresh(self, s: int) -> None:
+        self.sets.refresh(s)
+        for name in self.names:
+            poison_output(self.sets.c[name][s])
+
+    def check(self, name: str, s: int) -> None:
+        if name == "cuBLAS":
+            return
+        ref = self.num.f32(self.sets.c["cuBLAS"][s])
+        # compare() allows max(2 roundoffs, 4 x calibration): here the contestant's own
+        # tolerance plus 2 roundoffs for cuBLAS's error
+        bound = (self.tolerance[name] + 2 * UNIT_ROUNDOFF[self.num.dtype]) / 4
+        _, _, why = compare(self.sets.c[name][s], ref, self.num, bound)
+        if why:
+            raise Rejected("cheat" if name == self.suspect else "wrong",
+                           f"{name}: output of a timed call differs from cuBLAS's on the same inputs ({why})")
+
+    def lead(self, name: str, s: int) -> None:
+        """The other sets' calls, untimed, right before a timed call on set `s`."""
+        for t in range(1, LEAD_CALLS + 1):
+            self.call(name, (s + t) % len(self.sets.a))
+
+    def round(self) -> None:
+        with self.stream:
+            for method in self.methods:
+                if method == "graph":
+                    found = graph_rounds(self.names, replay=self.replay, calls=self.calls, budget_s=0.0,
+                                         rng=self.rng[method], min_rounds=1)
+                else:
+                    found = kernel_rounds(self.names, call=self.call, refresh=self.refresh, check=self.check,
+                                          timer=self.timer, budget_s=0.0, rng=self.rng[method], min_rounds=1,
+                                          first_round=self.rounds,
+                                          before=self.lead if method == "kernel" else self.pause)
+                for name, values in found.items():
+                    self.samples[method][name] += values
+        self.rounds += 1
+
+    def finish(self) -> dict[str, dict[str, dict]]:
+        if "graph" in self.methods:  # the graphs' outputs, as the last replay left them
+            for name in self.names:
+                for s in range(INPUT_SETS):
+                    self.check(name, s)
+        return {m: {n: asdict(summarize(v)) for n, v in by_name.items()} for m, by_name in self.samples.items()}
+
+
+def time_alone(session: Session, budget_s: float, min_rounds: int = 5) -> dict[str, dict[str, dict]]:
+    """A session's rounds until `budget_s` of wall time is spent (at least `min_rounds`)."""
+    deadline = time.perf_counter() + budget_s
+    while session.rounds < min_rounds or time.perf_counter() < deadline:
+        session.round()
+    return session.finish()
 
 
 def graph_medians(run: Callable[[str, object, object, object], None], names: list[str], problem: Problem, *,

@@ -10,6 +10,7 @@ from __future__ import annotations
 import multiprocessing
 import os
 import random
+import time
 import traceback
 from dataclasses import asdict
 from typing import Any
@@ -18,6 +19,9 @@ from .bench import STUDY_PROTOCOLS
 from .errors import Cudal2Error
 from .problem import Problem
 from .verify import UNIT_ROUNDOFF, poison_output
+
+
+MIN_ROUNDS = 5  # rounds of each process's methods in a job, at least
 
 
 class Worker:
@@ -45,7 +49,12 @@ class Worker:
         return self._graph.start()
 
     def request(self, job: dict[str, Any], timeout: float) -> dict[str, Any]:
-        """Runs one job; a dead or silent worker becomes a `crash` or `timeout` result."""
+        """Runs one job; a dead or silent worker becomes a `crash` or `timeout` result.
+
+        A job of the protocol: both processes set up (the graph process verifies and
+        autotunes first), then rounds alternate between them until twice the job's timing
+        budget is spent (at least MIN_ROUNDS each), so that clock and thermal drift fall on
+        both methods alike; then each returns its methods' timings."""
         first = self._graph.request(job, timeout)
         if job["settings"].get("protocol") in STUDY_PROTOCOLS or first.get("status") != "ok":
             return first
@@ -53,7 +62,20 @@ class Worker:
                                       "tolerance": first.get("tolerance")}, timeout)
         if second.get("status") != "ok":
             return {**first, **second, "timings": {}}
-        return {**first, "timings": {**first.get("timings", {}), **second["timings"]}}
+        children = (self._graph, self._cupti)
+        deadline = time.perf_counter() + 2 * job["settings"].get("budget_s", 1.0)
+        rounds = 0
+        while rounds < MIN_ROUNDS or time.perf_counter() < deadline:
+            for child in children:
+                if (answer := child.request({"op": "round"}, timeout)).get("status") != "ok":
+                    return {**first, **answer, "timings": {}}
+            rounds += 1
+        timings = {}
+        for child in children:
+            if (answer := child.request({"op": "finish"}, timeout)).get("status") != "ok":
+                return {**first, **answer, "timings": {}}
+            timings.update(answer["timings"])
+        return {**first, "timings": timings}
 
     def close(self) -> None:
         self._graph.close()
@@ -152,11 +174,12 @@ def _serve(conn, device: int, cupti: bool) -> None:
         conn.send({"fatal": f"no usable CUDA device: {str(exc).splitlines()[0] if str(exc) else type(exc).__name__}"})
         return
     conn.send({"environment": environment})
-    handlers = {"kernel": _kernel_job, "baselines": _baselines_job}
+    handlers = {"kernel": _kernel_job, "baselines": _baselines_job, "round": _round_job, "finish": _finish_job}
     while True:
         job = conn.recv()
         if job is None:
             return
+        untrusted = job["op"] == "kernel" or (job["op"] in ("round", "finish") and _SESSION.get("kind") == "kernel")
         try:
             result = handlers[job["op"]](job, environment, timer)
         except (cupy.cuda.runtime.CUDARuntimeError, cupy.cuda.driver.CUDADriverError) as exc:
@@ -164,7 +187,7 @@ def _serve(conn, device: int, cupti: bool) -> None:
             conn.send({"status": "crash", "error": str(exc)})
             os._exit(3)
         except Exception:
-            if job["op"] == "kernel":
+            if untrusted:
                 # After untrusted code ran, any failure (a cuBLAS or CuPy error from a broken
                 # context, say) is the kernel's: a crash, with the traceback as its reason.
                 conn.send({"status": "crash", "error": traceback.format_exc()[-2000:]})
@@ -174,6 +197,8 @@ def _serve(conn, device: int, cupti: bool) -> None:
             conn.send(result)
 
 
+# The open timing session of this process (a job's measure.Session, between its rounds).
+_SESSION: dict[str, Any] = {}
 # cuBLASLt's autotuned choice per problem, kept for the process's life (its later jobs).
 _LT_CHOICE: dict[tuple, dict[str, Any]] = {}
 
@@ -238,8 +263,8 @@ def _kernel_job(job: dict[str, Any], environment: dict[str, Any], timer) -> dict
     import cupy
 
     from .baselines import cublas_gemm
-    from .measure import time_contestants
-    from .verify import Kernel, Rejected, physical_floor_us, seed_from_os, verify
+    from .measure import Session
+    from .verify import Kernel, Rejected, seed_from_os, verify
 
     problem = Problem(**job["problem"])
     rng = random.Random(seed_from_os())
@@ -263,25 +288,64 @@ def _kernel_job(job: dict[str, Any], environment: dict[str, Any], timer) -> dict
         tolerance = {name: 2 * UNIT_ROUNDOFF[problem.dtype] for name in run}
         tolerance["kernel"] = job["tolerance"] if cupti_phase else verdict.tolerance
         try:
-            timings = time_contestants(run, problem, stream=stream, timer=timer, environment=environment,
-                                       settings=job["settings"], rng=rng, tolerance=tolerance,
-                                       methods=_methods(job))
+            session = Session(run, problem, stream=stream, timer=timer, environment=environment,
+                              settings=job["settings"], rng=rng, tolerance=tolerance, methods=_methods(job))
         except Rejected as r:
             return {**result, "status": r.status, "error": str(r)}
-    for method, entries in timings.items():
+        _open(session, "kernel", problem)
+    return {**result, "cublaslt": record}
+
+
+def _open(session, kind: str, problem: Problem) -> None:
+    _SESSION.clear()
+    _SESSION.update(session=session, kind=kind, problem=problem)
+
+
+def _round_job(job: dict[str, Any], environment: dict[str, Any], timer) -> dict[str, Any]:
+    """One round of the open session's methods."""
+    from .verify import Rejected
+
+    try:
+        _SESSION["session"].round()
+    except Rejected as r:
+        return _rejected(r)
+    return {"status": "ok"}
+
+
+def _finish_job(job: dict[str, Any], environment: dict[str, Any], timer) -> dict[str, Any]:
+    """The open session's timings; a kernel faster than this GPU's physical limit is a cheat."""
+    from .verify import Rejected, physical_floor_us
+
+    session, kind, problem = _SESSION["session"], _SESSION["kind"], _SESSION["problem"]
+    try:
+        timings = session.finish()
+    except Rejected as r:
+        return _rejected(r)
+    _SESSION.clear()
+    for method, entries in timings.items() if kind == "kernel" else ():
         floor = physical_floor_us(problem, environment, cold_l2=method == "server")
         if entries["kernel"]["median_us"] < 0.9 * floor:
-            return {**result, "status": "cheat", "error": (
+            return {"status": "cheat", "error": (
                 f"{method} time {entries['kernel']['median_us']:.2f} us is below the physical limit "
                 f"{floor:.2f} us of this GPU")}
-    return {**result, "timings": timings, "cublaslt": record}
+    return {"status": "ok", "timings": timings}
+
+
+def _rejected(r) -> dict[str, Any]:
+    """A contestant's output check failed during the session: the kernel's verdict, or (a
+    baseline's) an error of the bench."""
+    kind = _SESSION.get("kind")
+    _SESSION.clear()
+    if kind != "kernel":
+        raise RuntimeError(f"a baseline failed its output check: {r}")
+    return {"status": r.status, "error": str(r)}
 
 
 def _baselines_job(job: dict[str, Any], environment: dict[str, Any], timer) -> dict[str, Any]:
     import cupy
 
-    from .measure import time_contestants
-    from .verify import Numerics, Operands, Rejected, compare, seed_from_os
+    from .measure import Session
+    from .verify import Numerics, Operands, compare, seed_from_os
 
     problem = Problem(**job["problem"])
     rng = random.Random(seed_from_os())
@@ -302,13 +366,9 @@ def _baselines_job(job: dict[str, Any], environment: dict[str, Any], timer) -> d
                 call(ops.a, ops.b, out)
                 errors[name] = compare(out, ref, num)[:2]
         tolerance = {name: 2 * UNIT_ROUNDOFF[problem.dtype] for name in run}
-        try:
-            timings = time_contestants(run, problem, stream=stream, timer=timer, environment=environment,
-                                       settings=job["settings"], rng=rng, tolerance=tolerance, suspect="",
-                                       methods=_methods(job))
-        except Rejected as r:
-            raise RuntimeError(f"a baseline failed its output check: {r}") from None
-    return {"status": "ok", "errors": errors, "timings": timings, "cublaslt": record}
+        _open(Session(run, problem, stream=stream, timer=timer, environment=environment, settings=job["settings"],
+                      rng=rng, tolerance=tolerance, methods=_methods(job), suspect=""), "baselines", problem)
+    return {"status": "ok", "errors": errors, "cublaslt": record}
 
 
 def _study_job(job, environment, stream, rng, kernel) -> dict[str, Any]:

@@ -98,7 +98,7 @@ def test_lead_calls_run_untimed_on_the_other_sets_and_a_memo_still_never_pays():
     dev = StandInDevice()
     leads = []
 
-    def before(name, s):  # what measure.time_contestants does: the other sets' calls first
+    def before(name, s):  # what measure.Session.lead does: the other sets' calls first
         for t in (1, 2):
             dev.call(name, (s + t) % INPUT_SETS)
             leads.append((name, (s + t) % INPUT_SETS))
@@ -192,14 +192,14 @@ def test_cublaslt_autotuning_keeps_the_fastest_algorithm_and_records_it():
 class StandInChild:
     """A worker process stood in for: answers each job from `answer(job)`, logging them."""
 
-    def __init__(self, answer):
-        self.answer, self.jobs, self.environment = answer, [], {"gpu": "stand-in"}
+    def __init__(self, name, answer, log):
+        self.name, self.answer, self.log, self.environment = name, answer, log, {"gpu": "stand-in"}
 
     def start(self):
         return self.environment
 
     def request(self, job, timeout):
-        self.jobs.append(job)
+        self.log.append((self.name, job["op"], job))
         return self.answer(job)
 
     def close(self):
@@ -209,37 +209,58 @@ class StandInChild:
 def two_phase_worker(graph_answer, cupti_answer):
     from cudal2.worker import Worker
 
-    worker = Worker()
-    worker._graph, worker._cupti = StandInChild(graph_answer), StandInChild(cupti_answer)
-    return worker
+    worker, log = Worker(), []
+    worker._graph = StandInChild("graph", graph_answer, log)
+    worker._cupti = StandInChild("cupti", cupti_answer, log)
+    return worker, log
 
 
 def job(protocol="cupti-graph-2"):
-    return {"op": "kernel", "settings": {"protocol": protocol}, "library": "k.so"}
+    return {"op": "kernel", "settings": {"protocol": protocol, "budget_s": 0.0}, "library": "k.so"}
 
 
-def test_a_job_is_timed_in_the_graph_process_then_by_cupti_with_the_same_cublaslt_choice():
+def session_answers(opened, timings, failing_round=None):
+    rounds = []
+
+    def answer(j):
+        if j["op"] == "round":
+            rounds.append(j)
+            return {"status": "cheat", "error": "a cached result"} if len(rounds) == failing_round else {"status": "ok"}
+        return {"status": "ok", "timings": timings} if j["op"] == "finish" else opened
+    return answer
+
+
+def test_a_job_opens_both_processes_then_alternates_their_rounds_and_merges_the_timings():
+    from cudal2.worker import MIN_ROUNDS
+
     record = {"index": 3, "of": 8}
-    worker = two_phase_worker(
-        lambda j: {"status": "ok", "tolerance": 0.01, "cublaslt": record, "timings": {"graph": {"kernel": 1}}},
-        lambda j: {"status": "ok", "timings": {"kernel": {"kernel": 2}}})
+    worker, log = two_phase_worker(
+        session_answers({"status": "ok", "tolerance": 0.01, "cublaslt": record}, {"graph": {"kernel": 1}}),
+        session_answers({"status": "ok"}, {"kernel": {"kernel": 2}}))
     result = worker.request(job(), 10)
     assert result["timings"] == {"graph": {"kernel": 1}, "kernel": {"kernel": 2}}
     assert result["cublaslt"] == record and result["tolerance"] == 0.01
-    sent = worker._cupti.jobs[0]
-    assert sent["phase"] == "cupti" and sent["cublaslt"] == record and sent["tolerance"] == 0.01
-    assert "phase" not in worker._graph.jobs[0]
+    ops = [(name, op) for name, op, _ in log]
+    # the graph process verifies and autotunes first; the CUPTI one gets its cuBLASLt choice
+    assert ops[:2] == [("graph", "kernel"), ("cupti", "kernel")]
+    opened = log[1][2]
+    assert opened["phase"] == "cupti" and opened["cublaslt"] == record and opened["tolerance"] == 0.01
+    assert "phase" not in log[0][2]
+    # then the rounds alternate (drift falls on both methods alike), then each finishes
+    assert ops[2:-2] == [("graph", "round"), ("cupti", "round")] * MIN_ROUNDS
+    assert ops[-2:] == [("graph", "finish"), ("cupti", "finish")]
 
 
-def test_a_kernel_rejected_or_slower_than_physics_in_either_process_is_not_timed_further():
-    rejected = two_phase_worker(lambda j: {"status": "wrong", "error": "max error"}, lambda j: pytest.fail("timed"))
-    assert rejected.request(job(), 10)["status"] == "wrong"
-    cheat = two_phase_worker(lambda j: {"status": "ok", "timings": {"graph": {}}},
-                             lambda j: {"status": "cheat", "error": "a cached result"})
+def test_a_kernel_rejected_in_either_process_is_not_timed_further():
+    rejected, log = two_phase_worker(lambda j: {"status": "wrong", "error": "max error"}, lambda j: pytest.fail("timed"))
+    assert rejected.request(job(), 10)["status"] == "wrong" and len(log) == 1
+    cheat, log = two_phase_worker(session_answers({"status": "ok"}, {}),
+                                  session_answers({"status": "ok"}, {}, failing_round=2))
     result = cheat.request(job(), 10)
     assert result["status"] == "cheat" and result["timings"] == {} and "cached" in result["error"]
+    assert [op for _, op, _ in log].count("finish") == 0 and [op for _, op, _ in log].count("round") == 4
 
 
 def test_a_study_protocol_stays_in_the_graph_process():
-    worker = two_phase_worker(lambda j: {"status": "ok", "timings": {"offline": {}}}, lambda j: pytest.fail("cupti"))
-    assert worker.request(job("fenced"), 10)["timings"] == {"offline": {}}
+    worker, log = two_phase_worker(lambda j: {"status": "ok", "timings": {"offline": {}}}, lambda j: pytest.fail("cupti"))
+    assert worker.request(job("fenced"), 10)["timings"] == {"offline": {}} and len(log) == 1
