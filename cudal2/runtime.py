@@ -5,7 +5,7 @@ A library is a directory: `index.json` (the versions it was built and measured w
 one entry per tuned problem) and `kernels/<source hash>.so`. The table picks the kernel
 tuned for exactly the problem; for a problem never tuned, the kernel tuned for the nearest M
 with the same N, K, dtype and layout, but only where M lies within the M values that kernel
-was verified at; otherwise none. A table built for another GPU, driver or CUDA picks none.
+was verified at; otherwise none. A table built for another GPU or driver picks none.
 """
 
 from __future__ import annotations
@@ -24,8 +24,11 @@ from .errors import Cudal2Error
 from .leaderboard import Leaderboard, best
 
 INDEX = "index.json"
-VERSION_KEYS = ("gpu", "driver", "cuda")  # a mismatch in any: every call falls back
-BUILD_KEYS = ("nvcc", "cutlass", "arch")  # recorded, for the reader
+VERSION_KEYS = ("gpu", "driver")  # a mismatch in any: every call falls back
+# Recorded, for the reader. `cuda` is the runtime the kernels were measured beside (CuPy's):
+# a caller's own runtime may differ on the same machine (torch 2.11's 13.0 beside CuPy's 13.2
+# on the H200) and does not reach the kernels, which carry nvcc's; the driver pins the rest.
+BUILD_KEYS = ("cuda", "nvcc", "cutlass", "arch")
 
 
 @dataclass(frozen=True)
@@ -67,7 +70,7 @@ class DispatchTable:
         return cls(entries, data["versions"], Path(root))
 
     def mismatch(self, environment: dict[str, Any]) -> str | None:
-        """Why this table does not serve `environment` (GPU, driver, CUDA), or None."""
+        """Why this table does not serve `environment` (GPU, driver), or None."""
         for key in VERSION_KEYS:
             if str(self.versions.get(key)) != str(environment.get(key)):
                 return f"built for {key} {self.versions.get(key)!r}, this machine has {environment.get(key)!r}"

@@ -29,7 +29,7 @@ _state: dict = {"table": None, "kernels": {}}
 
 def use(library: Path | str | None, environment: dict | None = None) -> DispatchTable | None:
     """Serves the ops from the library in `library` (None: the fallback alone). A library
-    built for another GPU, driver or CUDA than `environment` (default: this process's
+    built for another GPU or driver than `environment` (default: this process's
     current CUDA device) serves nothing, with one warning."""
     _state.update(table=None, kernels={})
     if library is None:

@@ -34,6 +34,9 @@ def test_a_library_of_another_gpu_or_driver_serves_nothing_with_one_warning():
     here = {"gpu": "NVIDIA H200", "driver": "580.159.04", "cuda": "13.0"}
     assert table.mismatch(here) is None
     assert "driver" in table.mismatch({**here, "driver": "590.1"})
+    # the caller's own CUDA runtime (torch's 13.0 beside CuPy's 13.2, measured on one H200)
+    # does not reach the kernels: still served
+    assert table.mismatch({**here, "cuda": "13.2"}) is None
     with pytest.warns(UserWarning, match="built for gpu 'NVIDIA H200'"):
         assert not serving(table, {**here, "gpu": "NVIDIA H100 80GB HBM3"})
     with warnings.catch_warnings():
