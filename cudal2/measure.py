@@ -4,9 +4,9 @@ two methods (cudal2/bench.py), on rotating input sets whose every output is chec
 The kernel method reads CUPTI activity records through cupti-python: it needs no torch
 (CuPy owns the GPU here, torch is only one of the baselines) and sees every kernel, memset
 and copy on any stream, so a call's work on a stream of its own is counted, not hidden.
-The graph method must not run where CUPTI is loaded: with CUPTI attached, even with every
-activity kind disabled (or after cuptiFinalize), each kernel replayed from a graph costs
-0.2-0.9 us more (measured on an H200), so cudal2/worker.py times it in a process of its own.
+The graph method must not run where CUPTI is loaded: with CUPTI attached, each kernel
+replayed from a graph costs 0.4-0.9 us more with every activity kind disabled, 0.15-0.35 us
+after cuptiFinalize (measured on an H200), so cudal2/worker.py times it in a process of its own.
 """
 
 from __future__ import annotations
@@ -122,10 +122,10 @@ def neighbour_kernel(stream) -> Callable[[], None]:
     return lambda: kernel((blocks,), (256,), (out, cupy.uint32(NEIGHBOUR_ITERATIONS)), stream=stream)
 
 
-def graph_calls(names, run, sets: InputSets, stream) -> int:
+def graph_calls(names, run, sets: InputSets, stream) -> tuple[int, float]:
     """Calls per graph (a multiple of the sets) so that one replay takes about
-    GRAPH_TARGET_US, from the typical contestant's time by events around a call on each set
-    (an upper bound: the host's launch time is in it)."""
+    GRAPH_TARGET_US, and the typical contestant's time per call they come from, by events
+    around a call on each set (an upper bound: the host's launch time is in it)."""
     import cupy
 
     start, end = cupy.cuda.Event(), cupy.cuda.Event()
@@ -137,8 +137,9 @@ def graph_calls(names, run, sets: InputSets, stream) -> int:
         end.record(stream)
         end.synchronize()
         times.append(cupy.cuda.get_elapsed_time(start, end) * 1e3 / len(sets.a))
-    per_call = sorted(times)[len(times) // 2] + 6.0  # the neighbour takes about 6 us
-    return INPUT_SETS * max(1, min(20, round(GRAPH_TARGET_US / per_call / INPUT_SETS)))
+    typical = sorted(times)[len(times) // 2]
+    per_call = typical + 6.0  # the neighbour takes about 6 us
+    return INPUT_SETS * max(1, min(20, round(GRAPH_TARGET_US / per_call / INPUT_SETS))), typical
 
 
 def graphs(names, run, sets: InputSets, stream, calls: int, neighbour: Callable[[], None] | None = None):
@@ -200,6 +201,7 @@ class Session:
         self.methods = [m for m in methods if (offline and m in OFFLINE_METHODS) or (server and m == "server")]
         self.samples: dict[str, dict[str, list[float]]] = {m: {n: [] for n in self.names} for m in self.methods}
         self.rounds = 0
+        self.typical_us: float | None = None  # a call's time, roughly (from the graph method's set-up)
         seed = rng.getrandbits(32)
         self.rng = {m: random.Random(seed + i) for i, m in enumerate(("kernel", "graph", "server"))}
         with stream:
@@ -207,7 +209,7 @@ class Session:
                 self.call(name, 0)
             stream.synchronize()
             if "graph" in self.methods:
-                self.calls = graph_calls(self.names, run, self.sets, stream)
+                self.calls, self.typical_us = graph_calls(self.names, run, self.sets, stream)
                 for s in range(INPUT_SETS):
                     self.refresh(s)
                 self.replay = graphs(self.names, run, self.sets, stream, self.calls)
@@ -278,18 +280,21 @@ def time_alone(session: Session, budget_s: float, min_rounds: int = 5) -> dict[s
 
 
 def graph_medians(run: Callable[[str, object, object, object], None], names: list[str], problem: Problem, *,
-                  stream, rng: random.Random, rounds: int = 5) -> dict[str, float]:
+                  stream, rng: random.Random, rounds: int = 7, warmup_rounds: int = 3) -> dict[str, float]:
     """The graph method's median for each of `names` (run(name, a, b, c) calls one), all
     replayed in the same shuffled rounds on rotating sets, so that the clock's drift falls
-    on all alike (the cuBLASLt autotuning: the algorithm a model's graph would run fastest).
-    A contestant's choice must be made when its call is captured: run() makes it."""
+    on all alike (the cuBLASLt autotuning: the algorithm a model's graph would run fastest),
+    after `warmup_rounds` untimed ones (an idle GPU's first rounds run at a higher clock
+    than a busy one's). A contestant's choice must be made when its call is captured: run()
+    makes it."""
     sets = InputSets(problem, Numerics(problem.dtype), ["shared"], rng)
     sets.c = {name: sets.c["shared"] for name in names}  # one output per set, whoever writes it
     contestants = {name: (lambda a, b, c, name=name: run(name, a, b, c)) for name in names}
     with stream:
         for name in names:
             contestants[name](sets.a[0], sets.b[0], sets.c[name][0])
-        calls = graph_calls(names, contestants, sets, stream)
+        calls, _ = graph_calls(names, contestants, sets, stream)
         replay = graphs(names, contestants, sets, stream, calls)
+        graph_rounds(names, replay=replay, calls=calls, budget_s=0.0, rng=rng, min_rounds=warmup_rounds)
         samples = graph_rounds(names, replay=replay, calls=calls, budget_s=0.0, rng=rng, min_rounds=rounds)
     return {name: summarize(values).median_us for name, values in samples.items()}

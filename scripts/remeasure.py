@@ -42,7 +42,8 @@ sys.path.insert(0, str(ROOT))
 from cudal2.baselines import CublasLt, build_baselines  # noqa: E402
 from cudal2.shapes import read_shapes  # noqa: E402
 from cudal2.verify import Kernel  # noqa: E402
-from cudal2.compile import Compiler, default_cache_dir  # noqa: E402
+from cudal2.compile import Compiler  # noqa: E402
+from cudal2.config import load_settings  # noqa: E402
 from cudal2.leaderboard import Leaderboard, best, select  # noqa: E402
 from cudal2.problem import Problem  # noqa: E402
 
@@ -187,7 +188,8 @@ def main() -> None:
     parser.add_argument("results", type=Path, nargs="?", default=Path("results"))
     parser.add_argument("--out", type=Path)
     parser.add_argument("--calls", type=int, default=60)
-    parser.add_argument("--cache", type=Path, default=default_cache_dir())
+    parser.add_argument("--cache", type=Path, default=load_settings().cache_dir,
+                        help="compile cache (default: cudal2's own: CUDAL2_CACHE_DIR, cudal2.toml or ~/.cache/cudal2)")
     args = parser.parse_args()
 
     board = Leaderboard(args.results)

@@ -235,7 +235,8 @@ def test_a_job_opens_both_processes_then_alternates_their_rounds_and_merges_the_
 
     record = {"index": 3, "of": 8}
     worker, log = two_phase_worker(
-        session_answers({"status": "ok", "tolerance": 0.01, "cublaslt": record}, {"graph": {"kernel": 1}}),
+        session_answers({"status": "ok", "tolerance": 0.01, "cublaslt": record, "typical_us": 400.0},
+                        {"graph": {"kernel": 1}}),
         session_answers({"status": "ok"}, {"kernel": {"kernel": 2}}))
     result = worker.request(job(), 10)
     assert result["timings"] == {"graph": {"kernel": 1}, "kernel": {"kernel": 2}}
@@ -251,10 +252,21 @@ def test_a_job_opens_both_processes_then_alternates_their_rounds_and_merges_the_
     assert ops[-2:] == [("graph", "finish"), ("cupti", "finish")]
 
 
+def test_short_calls_are_timed_in_one_block_per_process_the_graph_first():
+    from cudal2.worker import INTERLEAVE_US, MIN_ROUNDS
+
+    worker, log = two_phase_worker(
+        session_answers({"status": "ok", "typical_us": INTERLEAVE_US / 4}, {"graph": {"kernel": 1}}),
+        session_answers({"status": "ok"}, {"kernel": {"kernel": 2}}))
+    assert worker.request(job(), 10)["timings"] == {"graph": {"kernel": 1}, "kernel": {"kernel": 2}}
+    ops = [(name, op) for name, op, _ in log]
+    assert ops[2:-2] == [("graph", "round")] * MIN_ROUNDS + [("cupti", "round")] * MIN_ROUNDS
+
+
 def test_a_kernel_rejected_in_either_process_is_not_timed_further():
     rejected, log = two_phase_worker(lambda j: {"status": "wrong", "error": "max error"}, lambda j: pytest.fail("timed"))
     assert rejected.request(job(), 10)["status"] == "wrong" and len(log) == 1
-    cheat, log = two_phase_worker(session_answers({"status": "ok"}, {}),
+    cheat, log = two_phase_worker(session_answers({"status": "ok", "typical_us": 100.0}, {}),
                                   session_answers({"status": "ok"}, {}, failing_round=2))
     result = cheat.request(job(), 10)
     assert result["status"] == "cheat" and result["timings"] == {} and "cached" in result["error"]
