@@ -25,7 +25,7 @@ from .compile import Compiler, find_nvcc
 from .config import Settings, load_settings
 from .environment import default_arch
 from .errors import Cudal2Error
-from .leaderboard import BASELINES, Leaderboard, best, select
+from .leaderboard import BASELINES, Leaderboard, best, priors, select, shipped
 from .optimize import Budget, Event, Outcome, optimize_shapes
 from .pipeline import Context, evaluate, measure_baselines, new_run_id
 from .problem import Problem
@@ -71,14 +71,15 @@ def known_candidates(problem: Problem, leaderboard: Leaderboard, rows: pd.DataFr
     known = known[~known["kernel"].isin(BASELINES)]
     if top is not None:
         known = best(known, top)
-    known = known.drop_duplicates("source_hash")
+    known = known[known["source_hash"].isna() | ~known.duplicated("source_hash")]  # shipped rows: no source
     found = []
     for row in known.to_dict("records"):
         # A template row re-renders with today's template (parameters added since take their
-        # defaults); one whose parameters left the space is measured from its stored source.
+        # defaults); one whose parameters left the space is measured from its stored source
+        # (a shipped row has none: it is left out).
         if (params := render_stage.recorded_params(row)) is not None:
             found.append(Candidate.from_template(row["template"], params))
-        else:
+        elif isinstance(row.get("source_hash"), str):
             found.append(Candidate.from_source(leaderboard.source(row["source_hash"]), label=row["kernel"]))
     for name, tmpl in render_stage.load_templates().items() if top is None else ():
         if tmpl.supports(problem, cc):
@@ -116,7 +117,11 @@ def bench(problem: Problem, *, kernels: list[Candidate] | None = None, template:
             if build.status != "ok":
                 raise Cudal2Error(f"{candidate} does not compile ({build.status}): {first_error_line(build.log)}")
         env = gpu.start()
-        candidates = named or known_candidates(problem, leaderboard, recorded, env["cc"], top)
+        # the results directory's rows, and the shipped measurements of this GPU (a machine
+        # with no results yet re-measures what was measured on its kind of GPU before)
+        here = shipped(bench=None)
+        known = pd.concat([df for df in (recorded, here[here["gpu"] == env["gpu"]]) if len(df)] or [recorded])
+        candidates = named or known_candidates(problem, leaderboard, known, env["cc"], top)
         ctx = Context(problem, settings, gpu, compiler, leaderboard, new_run_id(), mode=mode, protocol=protocol)
         if on_start:
             on_start(env, len(candidates))
@@ -211,8 +216,8 @@ def optimize(problems: list[Problem] | Problem, *, proposer: str = "search", ite
                            proposer=proposer, model=llm_settings.model if llm_settings else None)
 
         def proposer_for(ctx: Context):
-            recorded = leaderboard.read()  # the shapes tuned before this one are priors too
-            prior = select(recorded, gpu=env["gpu"], status="ok").to_dict("records") if len(recorded) else []
+            # the shapes tuned before this one, here and in the shipped measurements, are priors
+            prior = priors(leaderboard.read(), env["gpu"])
             search = SearchProposer(env, seed=seed, prior=prior, cached=cached, within=within)
             llm = llms[compilers.index(ctx.compiler)]
             return search if llm is None else llm if proposer == "llm" else HybridProposer(llm, search)

@@ -67,6 +67,62 @@ ADDED_COLUMNS = {"bench": "back-to-back"}
 CORE_COLUMNS = ("run_id", "time", "gpu", "m", "n", "k", "dtype", "layout", "kernel", "status")
 
 
+# What the product keeps of past runs: the verified template configurations' rows (the
+# search's priors on a GPU measured before, the cost model's checks), without logs, sources
+# or per-baseline columns, as one part file shipped in the package. Written from a results
+# directory by scripts/ship_measurements.py; read by shipped().
+SHIPPED = Path(__file__).resolve().parent / "data" / "measurements.parquet"
+SHIPPED_COLUMNS = (
+    "run_id", "time", "gpu", "cc", "sm_count", "sm_clock_mhz", "max_sm_clock_mhz", "driver", "cuda", "nvcc",
+    "cutlass", "arch", "m", "n", "k", "dtype", "layout", "kernel", "template", "params", "status", "registers",
+    "smem_bytes", "spill_bytes", "offline_us", "speedup_offline", "tflops", "bench", "kernel_us", "graph_us",
+    "speedup_kernel", "speedup_graph", "baseline", "baseline_offline_us",
+)
+
+
+def compact(df: pd.DataFrame) -> pa.Table:
+    """The rows of `df` that SHIPPED keeps (verified template configurations), the other
+    columns null, in the leaderboard's schema."""
+    keep = df[(df["status"] == "ok") & df["template"].notna()]
+    columns = {c: keep[c] if c in SHIPPED_COLUMNS else pd.Series([None] * len(keep), index=keep.index, dtype=object)
+               for c in COLUMNS}
+    return pa.Table.from_pandas(pd.DataFrame(columns), schema=SCHEMA, preserve_index=False)
+
+
+def shipped(bench: str | None = PROTOCOL, path: Path = SHIPPED) -> pd.DataFrame:
+    """The shipped measurements (SHIPPED) timed by the protocol `bench` (None: every one)."""
+    if not path.is_file():
+        return SCHEMA.empty_table().to_pandas()
+    df = _read_part(path).to_pandas()
+    return df if bench is None else df[df["bench"] == bench].reset_index(drop=True)
+
+
+def priors(recorded: pd.DataFrame, gpu: str, bench: str = PROTOCOL) -> list[dict[str, Any]]:
+    """The search's priors on `gpu`: the verified rows timed by `bench` among `recorded`
+    (the results directory's) and the shipped ones, each configuration once per problem
+    (its best)."""
+    frames = [df for df in (recorded, shipped(bench)) if len(df)]
+    if not frames:
+        return []
+    rows = pd.concat(frames)
+    rows = rows[(rows["bench"] == bench) & (rows["gpu"] == gpu) & (rows["status"] == "ok")]
+    rows = rows.sort_values("speedup_offline", ascending=False, na_position="last")
+    return rows.drop_duplicates(["m", "n", "k", "dtype", "layout", "template", "params"]).to_dict("records")
+
+
+def _read_part(path: Path) -> pa.Table:
+    """One part file in the current schema (columns added since it was written: their
+    default or null); ValueError for a file that is not a leaderboard part."""
+    table = pq.read_table(path)
+    if not set(CORE_COLUMNS) <= set(table.column_names):
+        raise ValueError("not a cudal2 leaderboard part (columns differ)")
+    for field in SCHEMA:
+        if field.name not in table.column_names:
+            value = ADDED_COLUMNS.get(field.name)
+            table = table.append_column(field.name, pa.array([value] * table.num_rows, field.type))
+    return table.select(COLUMNS).cast(SCHEMA)
+
+
 def source_hash(source: str) -> str:
     return hashlib.sha256(source.encode()).hexdigest()
 
@@ -133,14 +189,7 @@ class Leaderboard:
         tables = []
         for path in sorted(self.parts.glob("*.parquet")) if self.parts.exists() else []:
             try:
-                table = pq.read_table(path)
-                if not set(CORE_COLUMNS) <= set(table.column_names):
-                    raise ValueError("not a cudal2 leaderboard part (columns differ)")
-                for field in SCHEMA:
-                    if field.name not in table.column_names:
-                        value = ADDED_COLUMNS.get(field.name)
-                        table = table.append_column(field.name, pa.array([value] * table.num_rows, field.type))
-                tables.append((path, table.select(COLUMNS).cast(SCHEMA)))
+                tables.append((path, _read_part(path)))
             except Exception as exc:  # a corrupt or foreign file costs itself, nothing else
                 warnings.warn(f"skipping {path.name}: {exc}", stacklevel=3)
         return tables

@@ -2,7 +2,8 @@
 with at least 6 measured template configurations on one GPU, the best measured speedup
 among the model's top 1 and top 3 over the best measured, and the rank correlation.
 
-    python scripts/cost_check.py [RESULTS_DIR] [GPU]      (default: results, NVIDIA H200)
+    python scripts/cost_check.py [RESULTS_DIR or -] [GPU]
+      (default: the measurements shipped in the package, cudal2/data/; NVIDIA H200)
 """
 
 from __future__ import annotations
@@ -14,12 +15,11 @@ import sys
 from pathlib import Path
 
 from cudal2.cost import measured_configurations, predict_us, recorded_device
-from cudal2.leaderboard import Leaderboard
+from cudal2.leaderboard import Leaderboard, shipped
 from cudal2.render import get_template
 
-results = Path(sys.argv[1] if len(sys.argv) > 1 else "results")
 gpu = sys.argv[2] if len(sys.argv) > 2 else "NVIDIA H200"
-df = Leaderboard(results).read(bench=None)
+df = Leaderboard(Path(sys.argv[1])).read(bench=None) if len(sys.argv) > 1 and sys.argv[1] != "-" else shipped(None)
 ok = df[(df["status"] == "ok") & (df["gpu"] == gpu)]
 device = recorded_device(df, gpu)
 top1, top3, rhos = [], [], []

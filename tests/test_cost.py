@@ -82,16 +82,15 @@ def test_padded_copies_of_unaligned_rows_are_paid():
 
 
 def test_ranking_agrees_with_the_recorded_h200_measurements():
-    """On every problem of results/leaderboard with at least 10 measured configurations (on
-    the H200, compared within one bench protocol), the model's 10 best-ranked of them
+    """On every problem of the shipped measurements with at least 10 measured configurations
+    (on the H200, compared within one bench protocol), the model's 10 best-ranked of them
     include one within 5% of the fastest."""
     import json
-    from pathlib import Path
 
     from cudal2.cost import measured_configurations
-    from cudal2.leaderboard import Leaderboard
+    from cudal2.leaderboard import shipped
 
-    df = Leaderboard(Path(__file__).resolve().parents[1] / "results").read(bench=None)
+    df = shipped(bench=None)
     checked = 0
     for problem, measured in measured_configurations(df, "NVIDIA H200").items():
         if len(measured) < 10:

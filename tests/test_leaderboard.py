@@ -112,3 +112,49 @@ def test_rows_of_earlier_protocols_are_never_ranked_with_the_protocols(tmp_path)
     assert list(best(lb.read())["kernel"]) == ["honest"]
     both = best(lb.read(bench=None))
     assert sorted(zip(both["bench"], both["kernel"])) == [("cupti-graph-2", "honest"), ("fenced", "fenced 2x")]
+
+
+def test_the_shipped_measurements_keep_verified_configurations_without_logs_or_sources(tmp_path):
+    from cudal2.leaderboard import _read_part, compact
+
+    lb = Leaderboard(tmp_path)
+    lb.append([row("fast", 1.2, template="sm80_mma", params='{"split_k": 1}', error=None, registers=128),
+               row("broken", None, status="compile_error", template="sm80_mma", params="{}", error="nvcc: 9 errors"),
+               row("cuBLAS", 1.0)])
+    path = tmp_path / "shipped.parquet"
+    pq.write_table(compact(lb.read()), path)
+    shipped = _read_part(path).to_pandas()
+    assert list(shipped["kernel"]) == ["fast"] and shipped["registers"].iloc[0] == 128
+    assert shipped["source_hash"].isna().all() and shipped["error"].isna().all()
+    assert pq.read_schema(path).names == COLUMNS  # a leaderboard part like any other
+
+
+def test_the_search_starts_from_this_gpu_s_measurements_here_and_shipped(tmp_path):
+    from cudal2.leaderboard import priors, shipped
+
+    lb = Leaderboard(tmp_path)
+    lb.append([row("here", 1.3, m=300, template="sm80_mma", params='{"split_k": 2}'),
+               row("here, slower copy", 1.1, m=300, template="sm80_mma", params='{"split_k": 2}'),
+               row("elsewhere", 2.0, m=300, template="sm80_mma", params='{"split_k": 4}', gpu="NVIDIA A100")])
+    found = priors(lb.read(), "NVIDIA H200")
+    mine = [r for r in found if r["m"] == 300]
+    assert [r["kernel"] for r in mine] == ["here"]  # one row per configuration, its best; no other GPU
+    # the shipped measurements of this protocol on this GPU come along (a fresh machine starts from them)
+    ours = shipped()
+    assert len(ours) and set(ours["bench"]) == {PROTOCOL}
+    assert len(found) - len(mine) == len(ours[ours["gpu"] == "NVIDIA H200"].drop_duplicates(
+        ["m", "n", "k", "dtype", "layout", "template", "params"]))
+    assert priors(lb.read(), "NVIDIA B200") == []
+
+
+def test_a_fresh_machine_re_measures_what_was_shipped_for_its_gpu(tmp_path):
+    from cudal2.api import known_candidates
+    from cudal2.leaderboard import shipped
+    from cudal2.problem import Problem
+
+    rows = shipped(bench=None)
+    rows = rows[rows["gpu"] == "NVIDIA H200"]
+    problem = Problem(128, 64, 64)  # a dev-set row measured by every protocol
+    found = known_candidates(problem, Leaderboard(tmp_path), rows, 90, top=1)
+    protocols = set(rows[(rows["m"] == 128) & (rows["n"] == 64) & (rows["k"] == 64)]["bench"])
+    assert 1 <= len(found) <= len(protocols) and all(c.template for c in found)
