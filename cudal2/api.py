@@ -220,6 +220,8 @@ def optimize(problems: list[Problem] | Problem, *, proposer: str = "search", ite
             prior = priors(leaderboard.read(), env["gpu"])
             search = SearchProposer(env, seed=seed, prior=prior, cached=cached, within=within)
             llm = llms[compilers.index(ctx.compiler)]
+            if llm is not None:
+                llm.prior = prior  # its warm start: the nearest problems' fastest
             return search if llm is None else llm if proposer == "llm" else HybridProposer(llm, search)
 
         outcomes = optimize_shapes(problems, context, proposer_for, Budget(iterations, batch, time_budget, patience),

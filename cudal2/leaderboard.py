@@ -75,7 +75,8 @@ SHIPPED = Path(__file__).resolve().parent / "data" / "measurements.parquet"
 SHIPPED_COLUMNS = (
     "run_id", "time", "gpu", "cc", "sm_count", "sm_clock_mhz", "max_sm_clock_mhz", "driver", "cuda", "nvcc",
     "cutlass", "arch", "m", "n", "k", "dtype", "layout", "kernel", "template", "params", "status", "registers",
-    "smem_bytes", "spill_bytes", "offline_us", "speedup_offline", "tflops", "bench", "kernel_us", "graph_us",
+    "smem_bytes", "spill_bytes", "offline_us", "offline_p20_us", "offline_p80_us", "speedup_offline", "tflops",
+    "bench", "kernel_us", "graph_us",
     "speedup_kernel", "speedup_graph", "baseline", "baseline_offline_us",
 )
 

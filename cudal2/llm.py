@@ -28,7 +28,10 @@ from .config import _coerce, config_table
 from .errors import Cudal2Error
 from .leaderboard import BASELINES
 from .problem import LAYOUT_HELP, Problem
-from .render import Template, bundled_dir, get_template, load_templates, max_smem, template_candidate
+from .environment import dram_bandwidth, tensor_peak
+from .propose import nearest_winners
+from .render import (Template, bundled_dir, get_template, load_templates, max_smem, recorded_params,
+                     template_candidate)
 from .verify import physical_floor_us
 
 
@@ -88,6 +91,9 @@ class LLMProposer:
         self.endpoint = str(getattr(self.client, "base_url", None) or settings.base_url or "the default endpoint")
         self.rounds = 0
         self.usage: list[dict[str, Any]] = []
+        # Verified rows of other problems on this GPU (leaderboard.priors): a problem with few
+        # measurements of its own is shown the nearest problems' fastest, as the search starts.
+        self.prior: list[dict[str, Any]] = []
         self.prompts = jinja2.Environment(
             loader=jinja2.FileSystemLoader(bundled_dir("prompts")),
             undefined=jinja2.StrictUndefined, trim_blocks=True, lstrip_blocks=True, keep_trailing_newline=True,
@@ -170,6 +176,9 @@ class LLMProposer:
         for row in measured:  # fastest first; a kernel measured again keeps its best row
             ranked.setdefault(_kernel(row), _measured(row))
         ranked_rows = list(ranked.values())
+        nearest = [] if len(ranked_rows) >= WARM_START else [
+            {**_measured(row), "problem": f"{row['m']}x{row['n']}x{row['k']} {row['dtype']} {row['layout']}"}
+            for row in nearest_winners(problem, self.prior)[:WARM_START]]
         # "pending": proposed and compiling, not measured yet (the optimize loop's batch ahead)
         failures = [
             row for row in history
@@ -184,8 +193,10 @@ class LLMProposer:
             "templates": [
                 _template_facts(t, self.cc) for t in load_templates().values() if t.supports(problem, self.cc)
             ],
+            "derived": _problem_facts(self.device, problem),
             "best": ranked_rows[:8],
-            "worst": ranked_rows[8:][-4:],
+            "near_misses": ranked_rows[8:12],
+            "nearest": nearest,
             "failures": [
                 {"kernel": _kernel(row), "status": row["status"], "reason": _reason(row)} for row in failures
             ],
@@ -241,11 +252,19 @@ def _text(value: Any) -> str | None:
     return value if isinstance(value, str) and value else None
 
 
+WARM_START = 8  # below this many measured candidates of its own, a problem is shown its nearest ones
+
+
 def _kernel(row: dict[str, Any]) -> str:
-    """A candidate as the model should name it back: template and JSON parameters."""
+    """A candidate as the model should name it back: template and JSON parameters, as
+    today's template completes the recorded ones (parameters added since at their defaults)."""
     template, params, kernel = _text(row.get("template")), _text(row.get("params")), _text(row.get("kernel"))
+    if template and params:
+        if (today := recorded_params(row)) is not None:
+            return f"{template} {json.dumps(today, sort_keys=True)}"
+        return f"{template} {params} (an earlier version of the template: not a valid parameter set today)"
     if template:
-        return f"{template} {params}" if params else kernel or template
+        return kernel or template
     return f"free-form source {kernel or '?'}"
 
 
@@ -254,11 +273,32 @@ def _measured(row: dict[str, Any]) -> dict[str, str]:
         value = _number(row.get(column))
         return "-" if value is None else form.format(value)
 
+    low, high = _number(row.get("offline_p20_us")), _number(row.get("offline_p80_us"))
     return {
         "kernel": _kernel(row), "speedup": shown("speedup_offline", "{:.3f}x"), "time": shown("offline_us", "{:.2f}"),
+        "spread": f"{low:.2f}-{high:.2f}" if low is not None and high is not None else "-",
+        "methods": f"{shown('kernel_us', '{:.2f}')} / {shown('graph_us', '{:.2f}')}",
         "tflops": shown("tflops", "{:.1f}"), "registers": shown("registers", "{:.0f}"),
         "smem": shown("smem_bytes", "{:.0f}"), "spills": shown("spill_bytes", "{:.0f}"),
     }
+
+
+def _problem_facts(device: dict[str, Any], problem: Problem) -> list[tuple[str, str]]:
+    """What a tuner derives before choosing a tile: bytes, intensity, the DRAM floor, and
+    how many output tiles (and waves over the SMs) common tile shapes make."""
+    facts = [("operands (A, B, C once)", f"{problem.min_bytes / 1e6:.3g} MB"),
+             ("arithmetic intensity", f"{problem.flops / problem.min_bytes:.0f} FLOP/byte")]
+    if device.get("memory_clock_khz") and device.get("memory_bus_bits"):
+        bandwidth = dram_bandwidth(device)
+        facts.append(("DRAM time floor (operands once at peak bandwidth)", f"{problem.min_bytes / bandwidth * 1e6:.2f} us"))
+        if all(device.get(key) is not None for key in ("cc", "sm_count", "max_sm_clock_mhz")):
+            ridge = tensor_peak(device) / bandwidth
+            facts.append(("the GPU's ridge point (tensor peak / DRAM bandwidth)", f"{ridge:.0f} FLOP/byte"))
+    if sms := device.get("sm_count"):
+        for tm, tn in ((64, 64), (128, 128), (128, 256)):
+            tiles = math.ceil(problem.m / tm) * math.ceil(problem.n / tn)
+            facts.append((f"{tm}x{tn} output tiles", f"{tiles} ({tiles / sms:.2f} waves on {sms} SMs)"))
+    return facts
 
 
 def _reason(row: dict[str, Any]) -> str:

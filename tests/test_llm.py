@@ -150,7 +150,9 @@ def test_prompt_is_contrastive(endpoint, tmp_path):
     assert "NVIDIA H200" in prompt and "streaming multiprocessors: 132" in prompt
     assert "140.00 us" in prompt  # the fastest baseline
     fast, slow = prompt.index("0.911x"), prompt.index("0.452x")
-    assert fast < slow and 'sm80_mma {"block_m": 128, "stages": 4}' in prompt
+    # each candidate as today's template completes its recorded parameters, to be named back
+    today = json.dumps(load_templates()["sm80_mma"].space.complete({"block_m": 128, "stages": 4}), sort_keys=True)
+    assert fast < slow and f"sm80_mma {today}" in prompt
     assert "| 232 | 131072 | - |" in prompt  # registers, shared memory, unknown spills
     assert 'kernel.cu(12): error: identifier "foo" is undefined' in prompt and "/tmp/cudal2-build" not in prompt
     assert "1 error detected" not in prompt
@@ -165,16 +167,38 @@ def test_prompt_is_contrastive(endpoint, tmp_path):
     assert prompt.index("explain why the fast candidates are fast") < prompt.index("exactly 2 new candidates")
 
 
-def test_prompt_shows_the_best_eight_and_the_worst_four(endpoint, tmp_path):
-    rows = [{"kernel": "k", "template": "sm80_mma", "params": json.dumps({"group_m": i}), "status": "ok",
-             "speedup_offline": i / 100, "offline_us": 14000.0 / i} for i in range(1, 16)]
+def test_prompt_shows_the_best_eight_and_the_four_near_misses_with_their_noise(endpoint, tmp_path):
+    rows = [{"kernel": "k", "template": None, "params": None, "status": "ok", "speedup_offline": i / 100,
+             "offline_us": 14000.0 / i, "offline_p20_us": 13900.0 / i, "offline_p80_us": 14100.0 / i,
+             "kernel_us": 13000.0 / i, "graph_us": 14000.0 / i} for i in range(1, 16)]
+    for i, row in enumerate(rows, 1):
+        row["kernel"] = f"kernel-{i}"
     rows.append({**rows[-1], "speedup_offline": 0.001})  # a slower re-measurement of the best
     endpoint.reply("nothing")
     make_proposer(endpoint, tmp_path).propose(PROBLEM, rows, 1)
-    shown = [i for i in range(1, 16) if f'{{"group_m": {i}}} |' in endpoint.prompt()]
-    assert shown == [1, 2, 3, 4] + list(range(8, 16))
-    assert endpoint.prompt().index("0.150x") < endpoint.prompt().index("# Slowest") < endpoint.prompt().index("0.040x")
-    assert "0.001x" not in endpoint.prompt()
+    prompt = endpoint.prompt()
+    shown = [i for i in range(1, 16) if f"free-form source kernel-{i} |" in prompt]
+    assert shown == list(range(4, 16))  # the 8 fastest, then the 4 next: near misses, not pathologies
+    assert prompt.index("kernel-8 |") < prompt.index("# Near misses") < prompt.index("kernel-7 |")
+    assert "0.001x" not in prompt
+    # the claimed median with its spread, and both methods' times
+    assert "| 0.150x | 933.33 | 926.67-940.00 | 866.67 / 933.33 |" in prompt
+
+
+def test_a_new_problem_starts_from_the_nearest_problems_measured_on_this_gpu(endpoint, tmp_path):
+    near = {"m": 4096, "n": 4096, "k": 2048, "dtype": "fp16", "layout": "nn", "status": "ok", "kernel": "k",
+            "template": "sm80_mma", "params": json.dumps({"block_m": 128}), "speedup_offline": 1.02, "offline_us": 70.0}
+    far = {**near, "m": 64, "n": 64, "k": 64, "params": json.dumps({"block_m": 32}), "speedup_offline": 1.5}
+    proposer = make_proposer(endpoint, tmp_path)
+    proposer.prior = [far, near]
+    endpoint.reply("nothing")
+    proposer.propose(PROBLEM, [], 1)
+    prompt = endpoint.prompt()
+    assert "# Fastest on the nearest problems" in prompt
+    assert prompt.index("| 4096x4096x2048 fp16 nn |") < prompt.index("| 64x64x64 fp16 nn |")
+    # and derived facts a tuner reasons from
+    assert "128x128 output tiles: 1024 (7.76 waves on 132 SMs)" in prompt
+    assert "DRAM time floor (operands once at peak bandwidth)" in prompt and "ridge point" in prompt
 
 
 def test_prompt_offers_only_templates_for_the_gpu(endpoint, tmp_path):
@@ -306,3 +330,11 @@ def test_saved_replies_replay_a_run_without_an_endpoint(tmp_path):
         proposer.propose(PROBLEM, [], 1)
     with pytest.raises(Cudal2Error, match="no replay directory"):
         ReplayClient(tmp_path / "nowhere")
+
+
+def test_parameters_that_left_the_space_are_not_offered_as_valid(endpoint, tmp_path):
+    stale = {"kernel": "sm90_cutlass(...)", "template": "sm90_cutlass", "status": "ok", "speedup_offline": 0.98,
+             "offline_us": 150.0, "params": json.dumps({"tile_m": 128, "epilogue_stages": 4})}
+    endpoint.reply("nothing")
+    make_proposer(endpoint, tmp_path).propose(PROBLEM, [stale], 1)
+    assert "an earlier version of the template: not a valid parameter set today" in endpoint.prompt()
