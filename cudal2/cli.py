@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 import json
+import time
 import warnings
 from pathlib import Path
 from typing import Annotated, Any, Optional
@@ -459,6 +460,73 @@ def compile_cmd(
             if r["error"]:
                 err_console.print(f"{r['kernel']}: {api.first_error_line(r['error']) if r['error'].strip() else r['status']}")
     if any(b.status != "ok" for b in builds):
+        raise typer.Exit(1)
+
+
+@app.command()
+@cli_errors
+def prebuild(
+    arch: Arch = None,
+    jobs: Annotated[Optional[int], typer.Option(help="parallel nvcc processes (default: every core)")] = None,
+    pack: Annotated[Optional[Path], typer.Option(help="also write the built set to this tarball (.tar.gz)")] = None,
+    unpack: Annotated[Optional[Path], typer.Option(
+        help="instead: add another machine's build (a --pack tarball or a cache directory) to this cache")] = None,
+    list_only: Annotated[bool, typer.Option("--list", help="only list the set (no compiling)")] = False,
+    results: Results = None,
+    json_out: Json = False,
+) -> None:
+    """Compile the prebuilt kernel set of an architecture into the kernel cache (no GPU
+    needed): every configuration within 2% of the best on a measured problem, plus the cost
+    model's best per region. What is cached already is skipped, so a stopped build resumes."""
+    from . import prebuilt
+    from .leaderboard import shipped
+
+    settings = load_settings({"arch": arch, "jobs": jobs, "results": results})
+    if unpack is not None:
+        added = prebuilt.unpack(unpack, settings.cache_dir)
+        print(f"{added} kernel build(s) added to {settings.cache_dir}")
+        return
+    if settings.arch is None:
+        raise Cudal2Error("prebuild needs --arch (e.g. sm_90a) or CUDAL2_ARCH")
+    measured = pd.concat([df for df in (shipped(bench=None), Leaderboard(settings.results).read(bench=None))
+                          if len(df)] or [shipped(bench=None)])
+    entries = prebuilt.kernel_set(render_stage.arch_cc(settings.arch), measured)
+    if not entries:
+        raise Cudal2Error(f"no measurements of a {settings.arch} GPU to choose a kernel set from")
+    if list_only:
+        records = prebuilt.describe(entries)
+        if json_out:
+            print(json.dumps(records, indent=1))
+        else:
+            show_table(["kernel", "dtype", "layout", "why"], [[r["kernel"], r["dtype"], r["layout"], r["why"]]
+                                                              for r in records])
+        return
+    find_nvcc()
+    compiler = Compiler(settings.arch, settings.cache_dir, settings.jobs, settings.timeout)
+    todo = sum(compiler.lookup(e.source) is None for e in entries)
+    err_console.print(f"{len(entries)} configurations for {settings.arch}, {todo} to compile "
+                      f"with {compiler.jobs} jobs into {settings.cache_dir}")
+
+    def progress(done: int, total: int, entry, build) -> None:
+        state = "cached" if build.cached else f"{build.status} in {build.seconds:.0f} s"
+        err_console.print(f"[{done}/{total}] {state}: {entry.candidate} {entry.dtype} {entry.layout}")
+
+    start = time.perf_counter()
+    builds = prebuilt.build(entries, compiler, progress)
+    failed = [b for b in builds if b.status != "ok"]
+    size = sum(b.library.stat().st_size for b in builds if b.status == "ok" and b.library)
+    summary = {"configurations": len(entries), "compiled": todo, "failed": len(failed), "megabytes": size / 1e6,
+               "seconds": time.perf_counter() - start, "jobs": compiler.jobs, "cache": str(settings.cache_dir)}
+    if pack is not None:
+        summary["packed"] = prebuilt.pack(entries, compiler, pack)
+        summary["tarball"] = str(pack)
+    if json_out:
+        print(json.dumps(summary, indent=1))
+    else:
+        print(f"{summary['configurations']} configurations ({summary['megabytes']:.1f} MB of libraries), "
+              f"{todo} compiled in {summary['seconds']:.0f} s on {compiler.jobs} jobs, {len(failed)} failed"
+              + (f"; packed into {pack}" if pack is not None else ""))
+    if failed:
         raise typer.Exit(1)
 
 

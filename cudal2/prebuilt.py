@@ -1,0 +1,156 @@
+"""The prebuilt kernel set of an architecture: the template configurations worth compiling
+before any tuning starts, so that a run measures from its first second instead of waiting on
+nvcc (a CUTLASS kernel takes about 50 s of one core).
+
+The templates take M, N and K at run time, so one build of a configuration serves every
+shape of its dtype and layout. The set is
+
+- every configuration that measured within 2% of the best on some problem (each problem and
+  protocol compared within itself), on a GPU of this architecture, in the measurements
+  given (the shipped ones and the results directory's), in that problem's dtype and layout;
+- the cost model's PER_REGION best in each region a model's shapes fall in (tiny, decode,
+  split-K, large, unaligned), for fp16 nn and bf16 nt, where a device of this architecture
+  was measured (its facts feed the model).
+
+`build` compiles it into the compile cache (what is there already is skipped, so a stopped
+build resumes); `pack` writes those cache entries to a tarball and `unpack` adds one, or
+another machine's cache directory, to this machine's cache.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import tarfile
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import pandas as pd
+
+from .candidate import Candidate
+from .compile import Build, Compiler
+from .cost import RECORDED_MEMORY, rank, recorded_device
+from .errors import Cudal2Error
+from .problem import Problem
+from .render import load_templates, recorded_params, render
+
+NEAR_BEST = 0.98  # a configuration within 2% of a problem's best measured is in the set
+PER_REGION = 3
+REGIONS = {  # a representative problem of each region of a model's shapes
+    "tiny": (128, 64, 64),
+    "decode": (16, 4096, 4096),
+    "split-K": (1024, 128, 16384),
+    "large": (8192, 8192, 8192),
+    "unaligned": (4095, 4097, 1001),
+}
+VARIANTS = (("fp16", "nn"), ("bf16", "nt"))  # torch.matmul on fp16, F.linear on bf16
+
+
+@dataclass(frozen=True)
+class Entry:
+    """One configuration of the set, in one dtype and layout, and why it is there."""
+
+    candidate: Candidate
+    dtype: str
+    layout: str
+    why: str
+
+    @property
+    def source(self) -> str:
+        return render(self.candidate, Problem(1, 1, 1, self.dtype, self.layout))  # only dtype and layout shape it
+
+
+def kernel_set(cc: int, measured: pd.DataFrame, regions: bool = True) -> list[Entry]:
+    """The set for compute capability `cc` from the measurement rows `measured` (`regions`:
+    with the cost model's picks; ranking the spaces takes a few seconds per region)."""
+    templates = load_templates()
+    found: dict[tuple[str, str, str], Entry] = {}
+
+    def add(template: str, params: dict, dtype: str, layout: str, why: str) -> None:
+        if templates[template].supports(Problem(1, 1, 1, dtype, layout), cc):
+            candidate = Candidate.from_template(template, params)
+            found.setdefault((str(candidate), dtype, layout), Entry(candidate, dtype, layout, why))
+
+    rows = measured[(measured["status"] == "ok") & (measured["cc"] == cc) & measured["template"].notna()
+                    & measured["speedup_offline"].notna()]
+    for (m, n, k, dtype, layout, bench), group in rows.groupby(["m", "n", "k", "dtype", "layout", "bench"]):
+        best = group["speedup_offline"].max()
+        for row in group[group["speedup_offline"] >= NEAR_BEST * best].to_dict("records"):
+            if row["template"] in templates and (params := recorded_params(row, templates)) is not None:
+                add(row["template"], params, dtype, layout,
+                    f"{row['speedup_offline'] / best:.3f} of the best at {m}x{n}x{k} {dtype} {layout} ({bench})")
+    gpus = [g for g in rows["gpu"].dropna().unique() if g in RECORDED_MEMORY]
+    if gpus and regions:
+        device = recorded_device(rows, gpus[0])
+        for region, (m, n, k) in REGIONS.items():
+            for dtype, layout in VARIANTS:
+                ranked = rank(templates, Problem(m, n, k, dtype, layout), device)[:PER_REGION]
+                for i, (_, template, params) in enumerate(ranked, 1):
+                    add(template, params, dtype, layout, f"cost model's #{i} for {region} ({m}x{n}x{k} {dtype} {layout})")
+    return sorted(found.values(), key=lambda e: (e.candidate.template, e.dtype, e.layout, str(e.candidate)))
+
+
+def build(entries: list[Entry], compiler: Compiler,
+          on_build: Callable[[int, int, Entry, Build], None] | None = None) -> list[Build]:
+    """Compiles every entry into the cache (cached ones are not compiled again), in parallel;
+    `on_build(done, total, entry, build)` hears of each as it finishes."""
+    by_source = {e.source: e for e in entries}
+    done = 0
+
+    def finished(source: str, result: Build) -> None:
+        nonlocal done
+        done += 1
+        if on_build:
+            on_build(done, len(by_source), by_source[source], result)
+
+    return compiler.compile_all(list(by_source), on_build=finished)
+
+
+def pack(entries: list[Entry], compiler: Compiler, out: Path) -> int:
+    """Writes the cache entries of the built `entries` to the tarball `out` (paths relative
+    to the cache directory, as `unpack` takes them); returns how many."""
+    entries_dirs = []
+    for entry in entries:
+        built = compiler.lookup(entry.source)
+        if built is not None and built.status == "ok":
+            entries_dirs.append(built.library.parent)
+    cache = compiler.root.parent
+    with tarfile.open(out, "w:gz") as tar:
+        for directory in dict.fromkeys(entries_dirs):
+            tar.add(directory, arcname=str(directory.relative_to(cache)))
+    return len(set(entries_dirs))
+
+
+def unpack(source: Path, cache_dir: Path) -> int:
+    """Adds the kernel builds of a tarball from `pack`, or of another cache directory, to
+    `cache_dir`; entries already there are kept. Returns how many were added."""
+    target = Path(cache_dir) / "kernels"
+    target.mkdir(parents=True, exist_ok=True)
+    added = 0
+    if Path(source).is_dir():
+        for meta in (Path(source) / "kernels").glob("*/*/build.json"):
+            entry = meta.parent
+            destination = target / entry.parent.name / entry.name
+            if not destination.exists():
+                destination.parent.mkdir(parents=True, exist_ok=True)
+                shutil.copytree(entry, destination)
+                added += 1
+        return added
+    with tarfile.open(source, "r:gz") as tar:
+        members = tar.getmembers()
+        for member in members:
+            parts = Path(member.name).parts
+            if parts[:1] != ("kernels",) or ".." in parts or not (member.isfile() or member.isdir()):
+                raise Cudal2Error(f"{source}: {member.name!r} is not a kernel build of a cudal2 cache")
+        keys = {Path(m.name).parts[1:3] for m in members if len(Path(m.name).parts) >= 3}
+        fresh = {key for key in keys if not (target / key[0] / key[1]).exists()}
+        tar.extractall(Path(cache_dir), members=[m for m in members if tuple(Path(m.name).parts[1:3]) in fresh],
+                       filter="data")
+        added = len(fresh)
+    return added
+
+
+def describe(entries: list[Entry]) -> list[dict]:
+    return [{"kernel": str(e.candidate), "dtype": e.dtype, "layout": e.layout, "why": e.why,
+             "params": json.loads(e.candidate.params_json) if e.candidate.template else None} for e in entries]

@@ -1,0 +1,95 @@
+"""The prebuilt kernel set: chosen from measurements and the cost model, built once into the
+compile cache (resuming where a build stopped), and carried to another machine's cache."""
+
+import json
+
+import pandas as pd
+import pytest
+from typer.testing import CliRunner
+
+from cudal2 import prebuilt
+from cudal2.cli import app
+from cudal2.compile import Compiler
+from cudal2.problem import Problem
+from cudal2.render import load_templates, render, template_candidate
+
+
+def measured(rows):
+    base = {"gpu": "NVIDIA H200", "cc": 90, "sm_count": 132, "max_sm_clock_mhz": 1980, "status": "ok",
+            "template": "sm80_mma", "dtype": "fp16", "layout": "nn", "m": 512, "n": 512, "k": 512,
+            "bench": "cupti-graph-2"}
+    return pd.DataFrame([{**base, **r} for r in rows])
+
+
+def sm80(**params):
+    return json.dumps({"block_m": 64, "block_n": 64, "block_k": 32, "warps_m": 2, "warps_n": 2, "stages": 3, **params})
+
+
+def test_the_set_holds_the_near_best_of_every_measured_problem_and_the_cost_model_s_picks():
+    rows = measured([
+        {"params": sm80(stages=3), "speedup_offline": 1.10},   # the best of its problem
+        {"params": sm80(stages=4), "speedup_offline": 1.085},  # within 2%: in
+        {"params": sm80(stages=2), "speedup_offline": 1.00},   # 9% behind: out
+        # another protocol's rows are compared among themselves: its best is in
+        {"params": sm80(stages=2), "speedup_offline": 0.70, "bench": "fenced", "dtype": "bf16", "layout": "nt"},
+        {"params": sm80(stages=5), "speedup_offline": 2.00, "cc": 80, "gpu": "NVIDIA A100"},  # another arch: out
+    ])
+    entries = prebuilt.kernel_set(90, rows)
+    measured_in = {(json.loads(e.candidate.params_json)["stages"], e.dtype, e.layout) for e in entries
+                   if "of the best" in e.why}
+    assert measured_in == {(3, "fp16", "nn"), (4, "fp16", "nn"), (2, "bf16", "nt")}
+    # the cost model's best few in every region, for both of a model's usual variants
+    picks = [e for e in entries if "cost model" in e.why]
+    for region in prebuilt.REGIONS:
+        for dtype, layout in prebuilt.VARIANTS:
+            assert any(f"for {region} (" in e.why and (e.dtype, e.layout) == (dtype, layout) for e in picks)
+    assert len({(str(e.candidate), e.dtype, e.layout) for e in entries}) == len(entries)
+
+
+def test_one_build_serves_every_shape_of_its_dtype_and_layout():
+    for name in load_templates():
+        candidate = template_candidate(name, {}, 90)
+        assert render(candidate, Problem(128, 64, 64)) == render(candidate, Problem(4095, 4097, 1001))
+
+
+@pytest.mark.nvcc
+def test_a_build_resumes_and_travels_to_another_machine_as_a_tarball(tmp_path):
+    rows = measured([{"params": sm80(stages=3), "speedup_offline": 1.1},
+                     {"params": sm80(stages=4), "speedup_offline": 1.09}])
+    entries = prebuilt.kernel_set(90, rows, regions=False)
+    assert len(entries) == 2
+    here = Compiler("sm_90a", tmp_path / "here", jobs=2)
+    heard = []
+    builds = prebuilt.build(entries[:1], here, lambda done, total, e, b: heard.append((done, total, b.cached)))
+    assert builds[0].status == "ok" and heard == [(1, 1, False)]
+    heard.clear()
+    prebuilt.build(entries, here, lambda done, total, e, b: heard.append(b.cached))  # resumes: one new
+    assert sorted(heard) == [False, True]
+    tarball = tmp_path / "set.tar.gz"
+    assert prebuilt.pack(entries, here, tarball) == 2
+    there = Compiler("sm_90a", tmp_path / "there")
+    assert prebuilt.unpack(tarball, tmp_path / "there") == 2
+    assert all(there.lookup(e.source).status == "ok" for e in entries)
+    assert prebuilt.unpack(tarball, tmp_path / "there") == 0  # kept, not written again
+    # or straight from another cache directory
+    assert prebuilt.unpack(tmp_path / "here", tmp_path / "third") == 2
+
+
+def test_a_tarball_that_is_not_a_cache_is_refused(tmp_path):
+    import tarfile
+
+    bad = tmp_path / "bad.tar.gz"
+    (tmp_path / "evil").write_text("x")
+    with tarfile.open(bad, "w:gz") as tar:
+        tar.add(tmp_path / "evil", arcname="../evil")
+    with pytest.raises(Exception, match="not a kernel build"):
+        prebuilt.unpack(bad, tmp_path / "cache")
+
+
+def test_the_cli_lists_the_h200_set_from_the_shipped_measurements(tmp_path):
+    out = CliRunner().invoke(app, ["prebuild", "--arch", "sm_90a", "--list", "--json", "--results", str(tmp_path)])
+    assert out.exit_code == 0, out.output
+    listed = json.loads(out.output)
+    assert len(listed) > 50 and {r["kernel"].split("(")[0] for r in listed} == {"sm80_mma", "sm90_cutlass"}
+    none = CliRunner().invoke(app, ["prebuild", "--arch", "sm_100a", "--list", "--results", str(tmp_path)])
+    assert none.exit_code != 0 and "no measurements" in none.output
