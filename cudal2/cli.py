@@ -19,7 +19,7 @@ from .bench import PROTOCOL, PROTOCOLS, STUDY_PROTOCOLS
 from .compile import Compiler, find_nvcc
 from .config import load_settings
 from .errors import Cudal2Error
-from .leaderboard import STATUSES, Leaderboard, best, select
+from .leaderboard import BASELINES, STATUSES, Leaderboard, best, select
 from .problem import DTYPES, Problem
 from .shapes import MODELS, shape_set
 from .tables import (SHAPE_COLUMNS, console, emit_frame, err_console, fmt, jsonable, optimize_summary,
@@ -201,6 +201,9 @@ def optimize(
     param: Params = None,
     gpus: Annotated[Optional[str], typer.Option(
         help="all | 0,1,...: one GPU worker per device, the shapes spread over them (same GPU model and driver)")] = None,
+    cluster: Annotated[Optional[str], typer.Option(
+        help="a Dask scheduler (tcp://head:8786) whose workers each own a GPU (--resources GPU=1): one task "
+             "per shape, the rows merged here (search proposer)")] = None,
     results: Results = None,
     arch: Arch = None,
     json_out: Json = False,
@@ -222,6 +225,27 @@ def optimize(
             raise Cudal2Error(f"--{name} must be >= 1, got {value}")
     problems = problems_of(m, n, k, dtype or "fp16", layout, shapes, model, tokens, dtype is not None)
     settings = load_settings({"budget": budget, "results": results, "arch": arch})
+    if cluster is not None:
+        if proposer != "search" or gpus or template or param:
+            raise Cudal2Error("--cluster runs the search proposer on every worker's GPU: drop --proposer, --gpus, "
+                              "--template and --param")
+        from .cluster import optimize_on_cluster
+
+        def done(problem, result) -> None:
+            best = max((r.get("speedup_offline") or 0.0 for r in result["rows"]
+                        if r.get("status") == "ok" and r.get("kernel") not in BASELINES), default=None)
+            err_console.print(f"{problem} on {result.get('host', '?')}: " + (
+                result["error"] if result.get("error") else f"{len(result['rows'])} rows, best {fmt(best, 3)}"))
+
+        finished = optimize_on_cluster(problems, cluster, settings=settings, on_done=done, options={
+            "iterations": iterations, "batch": batch, "time_budget": time_budget, "patience": patience,
+            "seed": seed, "mode": mode, "remeasure": remeasure})
+        failed = [f for f in finished if f.get("error")]
+        print(f"{len(finished) - len(failed)} of {len(problems)} shapes tuned on the cluster; rows in {settings.results}"
+              f"; `cudal2 leaderboard --shapes` reports them")
+        if failed:
+            raise typer.Exit(1)
+        return
     llm_settings = None
     if proposer != "search":
         from .llm import load_llm_settings

@@ -1,0 +1,101 @@
+"""A shape set over a Dask cluster: every shape tuned once on a worker that owns a GPU, the
+rows merged into the head's leaderboard with their sources, and a cluster of unlike GPUs
+refused. The cluster is real (a local Dask cluster of two workers, each declaring one GPU);
+the tuning task stands in for cudal2's optimize loop, which needs the GPU."""
+
+import threading
+import time
+
+import pytest
+
+distributed = pytest.importorskip("distributed")
+
+from cudal2.cluster import check_uniform, optimize_on_cluster  # noqa: E402
+from cudal2.config import Settings  # noqa: E402
+from cudal2.errors import Cudal2Error  # noqa: E402
+from cudal2.leaderboard import Leaderboard, source_hash  # noqa: E402
+from cudal2.problem import Problem  # noqa: E402
+
+H200 = {"gpu": "NVIDIA H200", "driver": "580.159.04", "max_sm_clock_mhz": 1980, "host": "node"}
+
+
+def facts():
+    return H200
+
+
+def stand_in_task(problem, options, settings):
+    """What tune_task returns, for a fake kernel: one row and its source."""
+    worker = distributed.get_worker().address
+    time.sleep(0.2)  # long enough that both workers take shapes
+    if problem["m"] == 13:
+        raise RuntimeError("the GPU worker failed")
+    source = f"// kernel for {problem}"
+    row = {"run_id": "r", "gpu": "NVIDIA H200", "m": problem["m"], "n": problem["n"], "k": problem["k"],
+           "dtype": problem["dtype"], "layout": problem["layout"], "kernel": "k", "status": "ok",
+           "speedup_offline": 1.0, "source_hash": source_hash(source), "bench": "cupti-graph-2",
+           "proposer": worker, "registers": None}
+    return {"rows": [row], "sources": {source_hash(source): source}, "host": worker}
+
+
+@pytest.fixture(scope="module")
+def client():
+    with distributed.LocalCluster(n_workers=2, threads_per_worker=1, processes=False, resources={"GPU": 1},
+                                  dashboard_address=":0") as cluster, distributed.Client(cluster) as client:
+        yield client
+
+
+def test_every_shape_is_tuned_once_on_a_gpu_worker_and_merged_at_the_head(client, tmp_path):
+    problems = [Problem(m, 256, 256) for m in (64, 128, 256, 512)]
+    heard = []
+    lock = threading.Lock()
+
+    def on_done(problem, result):
+        with lock:
+            heard.append(problem)
+
+    done = optimize_on_cluster(problems, client, settings=Settings(results=tmp_path), options={"iterations": 1},
+                               on_done=on_done, task=stand_in_task, facts=facts)
+    assert sorted(p.m for p in heard) == [64, 128, 256, 512] and len(done) == 4
+    board = Leaderboard(tmp_path)
+    rows = board.read()
+    assert sorted(rows["m"]) == [64, 128, 256, 512]  # each once, nothing lost
+    assert len(list((tmp_path / "leaderboard").glob("*.parquet"))) == 4  # one part per shape, as it finished
+    assert len(set(rows["proposer"])) == 2  # both GPU workers took shapes
+    for r in rows.to_dict("records"):
+        assert board.source(r["source_hash"]).startswith("// kernel for")
+
+
+def test_a_failed_shape_costs_that_shape_only(client, tmp_path):
+    done = optimize_on_cluster([Problem(13, 64, 64), Problem(64, 64, 64)], client, settings=Settings(results=tmp_path),
+                               task=stand_in_task, facts=facts)
+    assert [d.get("error") is not None for d in sorted(done, key=lambda d: "error" in d)] == [False, True]
+    assert list(Leaderboard(tmp_path).read()["m"]) == [64]
+
+
+def test_unlike_gpus_are_refused_before_anything_runs():
+    check_uniform({"tcp://a": H200, "tcp://b": H200})
+    with pytest.raises(Cudal2Error, match="differ in model, driver or clock"):
+        check_uniform({"tcp://a": H200, "tcp://b": {**H200, "max_sm_clock_mhz": 1755}})
+    with pytest.raises(Cudal2Error, match="no workers with a GPU"):
+        check_uniform({})
+
+
+def test_a_cluster_without_gpu_workers_is_refused(tmp_path):
+    with distributed.LocalCluster(n_workers=1, processes=False, dashboard_address=":0") as cluster, \
+            distributed.Client(cluster) as plain:
+        with pytest.raises(Cudal2Error, match="no workers with a GPU"):
+            optimize_on_cluster([Problem(64, 64, 64)], plain, settings=Settings(results=tmp_path),
+                                task=stand_in_task, facts=facts)
+
+
+def test_the_cli_refuses_a_cluster_whose_workers_cannot_see_a_gpu(client, tmp_path):
+    from typer.testing import CliRunner
+
+    from cudal2.cli import app
+
+    address = client.scheduler.address
+    args = ["optimize", "--m", "64", "--n", "64", "--k", "64", "--cluster", address, "--results", str(tmp_path)]
+    out = CliRunner().invoke(app, args)  # the real gpu_facts, on workers of a machine without a GPU
+    assert out.exit_code == 1 and "cannot describe their GPU" in out.output, out.output
+    out = CliRunner().invoke(app, [*args, "--proposer", "llm"])
+    assert out.exit_code == 1 and "search proposer" in out.output
