@@ -11,9 +11,10 @@ task runs, every worker reports its GPU: model, driver and clocks must be the sa
 them, as Kernel Tuner requires of its runners, or the run is refused (a faster clock on one
 node would make its shapes' speedups incomparable with the others'). Each task tunes one
 shape with cudal2's own optimize loop into a results directory of its own on the worker and
-returns every row and kernel source; the head appends them to its leaderboard, one part per
-shape, so nothing is lost when a worker or the head stops half-way (a re-run skips nothing:
-rows only accumulate).
+returns every new row and kernel source; the head appends them to its leaderboard, one part
+per shape, so nothing is lost when a worker or the head stops half-way (a re-run skips
+nothing: rows only accumulate). Each task starts from the head's verified rows on that GPU,
+as a run on the head would (the search's priors).
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ from typing import Any
 
 from .config import Settings
 from .errors import Cudal2Error
-from .leaderboard import Leaderboard
+from .leaderboard import Leaderboard, compact
 from .problem import Problem
 
 UNIFORM_KEYS = ("gpu", "driver", "max_sm_clock_mhz")  # must be the same on every worker
@@ -41,16 +42,25 @@ def gpu_facts() -> dict[str, Any]:
     return {**{k: facts.get(k) for k in (*UNIFORM_KEYS, "sm_clock_mhz", "cc")}, "host": socket.gethostname()}
 
 
-def tune_task(problem: dict[str, Any], options: dict[str, Any], settings: Settings) -> dict[str, Any]:
-    """On a worker: cudal2's optimize loop on one shape, into a fresh results directory;
-    returns its rows and the sources they name."""
+def tune_task(problem: dict[str, Any], options: dict[str, Any], settings: Settings, seed=None) -> dict[str, Any]:
+    """On a worker: cudal2's optimize loop on one shape, into a fresh results directory
+    holding `seed` (the head's verified rows on this GPU, a leaderboard.compact table: the
+    search's priors, as on the head); returns its new rows and the sources they name."""
+    import pyarrow.parquet as pq
+
     from . import api
 
     with tempfile.TemporaryDirectory(prefix="cudal2-cluster-") as scratch:
         local = dataclasses.replace(settings, results=Path(scratch), device=0)
-        api.optimize([Problem(**problem)], settings=local, **options)
         board = Leaderboard(local.results)
+        seeded: set[str] = set()
+        if seed is not None and seed.num_rows:
+            board.parts.mkdir(parents=True)
+            pq.write_table(seed, board.parts / "part-seed.parquet")
+            seeded = set(seed.column("run_id").to_pylist())
+        api.optimize([Problem(**problem)], settings=local, **options)
         rows = board.read(bench=None)
+        rows = rows[~rows["run_id"].isin(seeded)]
         sources = {h: board.source(h) for h in set(rows["source_hash"].dropna())}
         rows = rows.astype(object).where(rows.notna(), None)  # missing values as None, not NaN
         return {"rows": rows.to_dict("records"), "sources": sources, "host": socket.gethostname()}
@@ -89,9 +99,11 @@ def optimize_on_cluster(problems: list[Problem], address: str | Any, *, settings
         if broken:
             raise Cudal2Error("GPU workers that cannot describe their GPU: " + "; ".join(
                 f"{a}: {type(r).__name__}: {str(r).splitlines()[0] if str(r) else ''}" for a, r in broken.items()))
-        check_uniform(reports)
+        kind = check_uniform(reports)
         board = Leaderboard(settings.results)
-        futures = {client.submit(task, dataclasses.asdict(p), dict(options or {}), settings,
+        here = board.read()
+        seed = client.scatter(compact(here[here["gpu"] == kind["gpu"]]) if len(here) else None, broadcast=True)
+        futures = {client.submit(task, dataclasses.asdict(p), dict(options or {}), settings, seed,
                                  resources={"GPU": 1}, pure=False, key=f"cudal2-tune-{p}-{i}"): p
                    for i, p in enumerate(problems)}
         done = []

@@ -23,9 +23,13 @@ def facts():
     return H200
 
 
-def stand_in_task(problem, options, settings):
+SEEDS = []
+
+
+def stand_in_task(problem, options, settings, seed=None):
     """What tune_task returns, for a fake kernel: one row and its source."""
     worker = distributed.get_worker().address
+    SEEDS.append(seed.num_rows if seed is not None else 0)
     time.sleep(0.2)  # long enough that both workers take shapes
     if problem["m"] == 13:
         raise RuntimeError("the GPU worker failed")
@@ -46,6 +50,12 @@ def client():
 
 def test_every_shape_is_tuned_once_on_a_gpu_worker_and_merged_at_the_head(client, tmp_path):
     problems = [Problem(m, 256, 256) for m in (64, 128, 256, 512)]
+    # the head's verified rows on this GPU go to every task as its priors
+    Leaderboard(tmp_path).append([{"run_id": "earlier", "gpu": "NVIDIA H200", "m": 32, "n": 32, "k": 32,
+                                   "dtype": "fp16", "layout": "nn", "kernel": "old", "status": "ok",
+                                   "template": "sm80_mma", "params": "{}", "speedup_offline": 1.0,
+                                   "bench": "cupti-graph-2"}])
+    SEEDS.clear()
     heard = []
     lock = threading.Lock()
 
@@ -58,8 +68,10 @@ def test_every_shape_is_tuned_once_on_a_gpu_worker_and_merged_at_the_head(client
     assert sorted(p.m for p in heard) == [64, 128, 256, 512] and len(done) == 4
     board = Leaderboard(tmp_path)
     rows = board.read()
-    assert sorted(rows["m"]) == [64, 128, 256, 512]  # each once, nothing lost
-    assert len(list((tmp_path / "leaderboard").glob("*.parquet"))) == 4  # one part per shape, as it finished
+    assert sorted(rows["m"]) == [32, 64, 128, 256, 512]  # each once, nothing lost
+    assert len(list((tmp_path / "leaderboard").glob("*.parquet"))) == 1 + 4  # one part per shape, as it finished
+    assert SEEDS == [1] * 4
+    rows = rows[rows["m"] != 32]
     assert len(set(rows["proposer"])) == 2  # both GPU workers took shapes
     for r in rows.to_dict("records"):
         assert board.source(r["source_hash"]).startswith("// kernel for")
@@ -99,3 +111,30 @@ def test_the_cli_refuses_a_cluster_whose_workers_cannot_see_a_gpu(client, tmp_pa
     assert out.exit_code == 1 and "cannot describe their GPU" in out.output, out.output
     out = CliRunner().invoke(app, [*args, "--proposer", "llm"])
     assert out.exit_code == 1 and "search proposer" in out.output
+
+
+def test_a_task_starts_from_the_head_s_rows_and_returns_only_its_own(tmp_path, monkeypatch):
+    """tune_task around the optimize loop (stood in: it needs the GPU), on real part files."""
+    import cudal2.api
+    from cudal2.cluster import tune_task
+    from cudal2.leaderboard import compact
+
+    head = Leaderboard(tmp_path / "head")
+    head.append([{"run_id": "earlier", "gpu": "NVIDIA H200", "m": 32, "n": 32, "k": 32, "dtype": "fp16",
+                  "layout": "nn", "kernel": "old", "status": "ok", "template": "sm80_mma", "params": "{}",
+                  "speedup_offline": 1.0, "bench": "cupti-graph-2"}])
+    seen = {}
+
+    def optimize(problems, settings, **options):
+        board = Leaderboard(settings.results)
+        seen["priors"] = list(board.read()["kernel"])  # what the search would start from
+        board.store_source("// new")
+        board.append([{"run_id": "new", "gpu": "NVIDIA H200", "m": problems[0].m, "n": 64, "k": 64,
+                       "dtype": "fp16", "layout": "nn", "kernel": "new", "status": "ok", "bench": "cupti-graph-2",
+                       "source_hash": source_hash("// new")}])
+
+    monkeypatch.setattr(cudal2.api, "optimize", optimize)
+    result = tune_task({"m": 64, "n": 64, "k": 64, "dtype": "fp16", "layout": "nn"}, {}, Settings(),
+                       compact(head.read()))
+    assert seen["priors"] == ["old"]
+    assert [r["kernel"] for r in result["rows"]] == ["new"] and list(result["sources"].values()) == ["// new"]
