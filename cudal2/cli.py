@@ -503,7 +503,7 @@ def prebuild(
     needed): every configuration within 2% of the best on a measured problem, plus the cost
     model's best per region. What is cached already is skipped, so a stopped build resumes."""
     from . import prebuilt
-    from .leaderboard import shipped
+    from .leaderboard import with_shipped
 
     settings = load_settings({"arch": arch, "jobs": jobs, "results": results})
     if unpack is not None:
@@ -512,8 +512,7 @@ def prebuild(
         return
     if settings.arch is None:
         raise Cudal2Error("prebuild needs --arch (e.g. sm_90a) or CUDAL2_ARCH")
-    measured = pd.concat([df for df in (shipped(bench=None), Leaderboard(settings.results).read(bench=None))
-                          if len(df)] or [shipped(bench=None)])
+    measured = with_shipped(Leaderboard(settings.results).read(bench=None))
     entries = prebuilt.kernel_set(render_stage.arch_cc(settings.arch), measured)
     if not entries:
         raise Cudal2Error(f"no measurements of a {settings.arch} GPU to choose a kernel set from")

@@ -98,16 +98,21 @@ def shipped(bench: str | None = PROTOCOL, path: Path = SHIPPED) -> pd.DataFrame:
     return df if bench is None else df[df["bench"] == bench].reset_index(drop=True)
 
 
+def with_shipped(recorded: pd.DataFrame, gpu: str | None = None, bench: str | None = None) -> pd.DataFrame:
+    """`recorded` (a results directory's rows) and the shipped measurements, those of `gpu`
+    and timed by `bench` (None: every GPU, every protocol)."""
+    rows = pd.concat([df for df in (recorded, shipped(bench)) if len(df)] or [recorded])
+    if gpu is not None:
+        rows = rows[rows["gpu"] == gpu]
+    return rows if bench is None else rows[rows["bench"] == bench]
+
+
 def priors(recorded: pd.DataFrame, gpu: str, bench: str = PROTOCOL) -> list[dict[str, Any]]:
     """The search's priors on `gpu`: the verified rows timed by `bench` among `recorded`
     (the results directory's) and the shipped ones, each configuration once per problem
     (its best)."""
-    frames = [df for df in (recorded, shipped(bench)) if len(df)]
-    if not frames:
-        return []
-    rows = pd.concat(frames)
-    rows = rows[(rows["bench"] == bench) & (rows["gpu"] == gpu) & (rows["status"] == "ok")]
-    rows = rows.sort_values("speedup_offline", ascending=False, na_position="last")
+    rows = with_shipped(recorded, gpu, bench)
+    rows = rows[rows["status"] == "ok"].sort_values("speedup_offline", ascending=False, na_position="last")
     return rows.drop_duplicates(["m", "n", "k", "dtype", "layout", "template", "params"]).to_dict("records")
 
 

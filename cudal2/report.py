@@ -60,11 +60,10 @@ def _speedup_plot(winners: pd.DataFrame) -> bytes:
 def _roofline_plot(winners: pd.DataFrame) -> bytes:
     plt = _figure()
     fig, ax = plt.subplots(figsize=(6.5, 4.2))
-    intensity = [Problem(int(r.m), int(r.n), int(r.k), r.dtype, r.layout).flops /
-                 Problem(int(r.m), int(r.n), int(r.k), r.dtype, r.layout).min_bytes for r in winners.itertuples()]
+    problems = [Problem(int(r.m), int(r.n), int(r.k), r.dtype, r.layout) for r in winners.itertuples()]
+    intensity = [p.flops / p.min_bytes for p in problems]
     ax.scatter(intensity, winners["tflops"], label="best kernel", zorder=3)
-    flops = [2 * r.m * r.n * r.k for r in winners.itertuples()]
-    ax.scatter(intensity, [f / us / 1e6 for f, us in zip(flops, winners["baseline_offline_us"])], marker="x",
+    ax.scatter(intensity, [p.flops / us / 1e6 for p, us in zip(problems, winners["baseline_offline_us"])], marker="x",
                label="fastest library call", zorder=3)
     first = winners.iloc[0]
     if pd.notna(first.get("sm_count")) and pd.notna(first.get("max_sm_clock_mhz")):

@@ -275,7 +275,6 @@ def _kernel_job(job: dict[str, Any], environment: dict[str, Any], timer) -> dict
     import cupy
 
     from .baselines import cublas_gemm
-    from .measure import Session
     from .verify import Kernel, Rejected, seed_from_os, verify
 
     problem = Problem(**job["problem"])
@@ -300,17 +299,23 @@ def _kernel_job(job: dict[str, Any], environment: dict[str, Any], timer) -> dict
         tolerance = {name: 2 * UNIT_ROUNDOFF[problem.dtype] for name in run}
         tolerance["kernel"] = job["tolerance"] if cupti_phase else verdict.tolerance
         try:
-            session = Session(run, problem, stream=stream, timer=timer, environment=environment,
-                              settings=job["settings"], rng=rng, tolerance=tolerance, methods=_methods(job))
+            session = _open("kernel", job, run, problem, stream=stream, timer=timer, environment=environment,
+                            rng=rng, tolerance=tolerance)
         except Rejected as r:
             return {**result, "status": r.status, "error": str(r)}
-        _open(session, "kernel", problem)
     return {**result, "cublaslt": record, "typical_us": session.typical_us}
 
 
-def _open(session, kind: str, problem: Problem) -> None:
+def _open(kind: str, job: dict[str, Any], run: dict, problem: Problem, **timing: Any):
+    """This process's timing session of the job (its phase's methods), kept for the rounds
+    and the finish that follow; `kind`: "kernel" (a candidate, the suspect) or "baselines"."""
+    from .measure import Session
+
     _SESSION.clear()
+    session = Session(run, problem, settings=job["settings"], methods=_methods(job),
+                      suspect="kernel" if kind == "kernel" else "", **timing)
     _SESSION.update(session=session, kind=kind, problem=problem)
+    return session
 
 
 def _round_job(job: dict[str, Any], environment: dict[str, Any], timer) -> dict[str, Any]:
@@ -356,7 +361,6 @@ def _rejected(r) -> dict[str, Any]:
 def _baselines_job(job: dict[str, Any], environment: dict[str, Any], timer) -> dict[str, Any]:
     import cupy
 
-    from .measure import Session
     from .verify import Numerics, Operands, compare, seed_from_os
 
     problem = Problem(**job["problem"])
@@ -378,9 +382,8 @@ def _baselines_job(job: dict[str, Any], environment: dict[str, Any], timer) -> d
                 call(ops.a, ops.b, out)
                 errors[name] = compare(out, ref, num)[:2]
         tolerance = {name: 2 * UNIT_ROUNDOFF[problem.dtype] for name in run}
-        session = Session(run, problem, stream=stream, timer=timer, environment=environment,
-                          settings=job["settings"], rng=rng, tolerance=tolerance, methods=_methods(job), suspect="")
-        _open(session, "baselines", problem)
+        session = _open("baselines", job, run, problem, stream=stream, timer=timer, environment=environment,
+                        rng=rng, tolerance=tolerance)
     return {"status": "ok", "errors": errors, "cublaslt": record, "typical_us": session.typical_us}
 
 

@@ -160,33 +160,30 @@ def main() -> None:
     report(cases, windows, args.out)
 
 
+def kernel_medians(run, sets, timer, rng, refresh, leads=0, budget_s=0.2) -> dict[str, float]:
+    """The kernel method's median per contestant (bench.kernel_rounds), each timed call
+    right behind `leads` untimed calls of the same contestant on the other sets."""
+    def call(name, s):
+        run[name](sets.a[s], sets.b[s], sets.c[name][s])
+
+    def before(name, s):
+        for t in range(leads):
+            call(name, (s + 1 + t % (len(sets.a) - 1)) % len(sets.a))
+
+    samples = kernel_rounds(list(run), call=call, refresh=refresh, check=lambda *_: None, timer=timer,
+                            budget_s=budget_s, rng=rng, before=before if leads else None)
+    return {name: statistics.median(v) for name, v in samples.items()}
+
+
 def lead_study(cases, leads, stream, rng, variant):
     timer = CuptiTimer()
     for problem, run, sets, calls, out in cases:
-        names = list(run)
-
-        def kernel_leads(count, run=run, sets=sets, names=names):
-            values = []
-            deadline = time.perf_counter() + 0.4
-            rounds = 0
-            while rounds < 5 or time.perf_counter() < deadline:
-                s = rounds % len(sets.a)
-                sets.refresh(s)
-                for name in rng.sample(names, len(names)):
-                    for t in range(count):
-                        o = (s + 1 + t % (len(sets.a) - 1)) % len(sets.a)
-                        run[name](sets.a[o], sets.b[o], sets.c[name][o])
-                    timer.time(lambda name=name: run[name](sets.a[s], sets.b[s], sets.c[name][s]))
-                    values.append(name)
-                rounds += 1
-            got = list(zip(values, timer.collect()))
-            return {n: statistics.median(us for m, us in got if m == n) for n in names}
-
         for p in (1, 2):
             with paused(timer):
                 variant(f"graph {p}", out, lambda: graph_medians(run, sets, stream, calls, None, rng))
             for count in leads:
-                variant(f"kernel, {count} leads, {p}", out, lambda: kernel_leads(count))
+                variant(f"kernel, {count} leads, {p}", out,
+                        lambda: kernel_medians(run, sets, timer, rng, sets.refresh, count, budget_s=0.4))
 
 
 def variant_study(cases, stream, rng, variant, compute, memory):
@@ -199,56 +196,14 @@ def variant_study(cases, stream, rng, variant, compute, memory):
             variant("graph, no CUPTI, compute", out, lambda: graph_medians(run, sets, stream, calls, compute, rng))
         timer = CuptiTimer()
         for problem, run, sets, calls, out in cases:
-            names = list(run)
-
-            def call(name, s, run=run, sets=sets):
-                run[name](sets.a[s], sets.b[s], sets.c[name][s])
-
             def fresh(s, sets=sets):
                 sets.refresh(s)
                 for outputs in sets.c.values():
                     poison_output(outputs[s])
 
-            class Sustained:
-                """timer.time(fn) with three untimed calls of the same contestant just before."""
-                def __init__(self, timer):
-                    self.timer, self.pending = timer, None
-
-                def time(self, fn):
-                    name, s = self.pending
-                    for t in range(1, 4):
-                        call(name, (s + t) % len(sets.a))
-                    self.timer.time(fn)
-
-                def collect(self):
-                    return self.timer.collect()
-
-            def kernel_variant(refresh, t=timer):
-                samples = kernel_rounds(names, call=call, refresh=refresh, check=lambda *_: None, timer=t,
-                                        budget_s=0.2, rng=rng)
-                return {name: statistics.median(v) for name, v in samples.items()}
-
-            variant("kernel, fresh", out, lambda: kernel_variant(fresh))
-            variant("kernel, reused", out, lambda: kernel_variant(lambda s: None))
-            sustained = Sustained(timer)
-
-            def sustained_variant(sustained=sustained):
-                order, values = [], []
-                deadline = time.perf_counter() + 0.2
-                rounds = 0
-                while rounds < 5 or time.perf_counter() < deadline:
-                    s = rounds % len(sets.a)
-                    fresh(s)
-                    for name in rng.sample(names, len(names)):
-                        sustained.pending = (name, s)
-                        sustained.time(lambda name=name: call(name, s))
-                        order.append(name)
-                    rounds += 1
-                for name, us in zip(order, timer.collect()):
-                    values.append((name, us))
-                return {n: statistics.median(us for m, us in values if m == n) for n in names}
-
-            variant("kernel, sustained", out, sustained_variant)
+            variant("kernel, fresh", out, lambda: kernel_medians(run, sets, timer, rng, fresh))
+            variant("kernel, reused", out, lambda: kernel_medians(run, sets, timer, rng, lambda s: None))
+            variant("kernel, sustained", out, lambda: kernel_medians(run, sets, timer, rng, fresh, leads=3))
             with paused(timer):
                 variant("graph, CUPTI paused", out, lambda: graph_medians(run, sets, stream, calls, memory, rng))
                 variant("graph, CUPTI paused, compute", out,
@@ -263,7 +218,6 @@ def variant_study(cases, stream, rng, variant, compute, memory):
             variant("graph, CUPTI finalized, compute", out,
                     lambda: graph_medians(run, sets, stream, calls, compute, rng))
             timer = CuptiTimer()
-
 
 
 def report(cases, windows, out_path):
