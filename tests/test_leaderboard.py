@@ -53,10 +53,23 @@ def test_unreadable_leaderboard_is_a_clear_error(tmp_path):
 def test_best_picks_the_fastest_verified_kernel_per_problem(tmp_path):
     lb = Leaderboard(tmp_path)
     lb.append([row("slow", 0.8), row("fast", 1.2), row("cheat", 9.0, status="cheat"),
-               row("cuBLAS", 1.0), row("other-shape", 0.7, m=64), row("fast-again", 1.1, source_hash="fast")])
+               row("cuBLAS", 1.0), row("other-shape", 0.7, m=64)])
     top = best(lb.read())
     assert list(top.sort_values("m")["kernel"]) == ["other-shape", "fast"]
     assert list(best(lb.read(), top=2).query("m == 4096")["kernel"]) == ["fast", "slow"]
+
+
+def test_a_kernel_measured_again_counts_by_its_latest_measurement_not_its_luckiest(tmp_path):
+    from datetime import datetime, timedelta, timezone
+
+    first = datetime(2026, 12, 1, tzinfo=timezone.utc)
+    lb = Leaderboard(tmp_path)
+    lb.append([row("lucky", 1.20, time=first + timedelta(hours=1)), row("steady", 1.05, time=first)])
+    lb.append([row("lucky-rechecked", 1.01, source_hash="lucky", time=first + timedelta(hours=2))])
+    lb.append([row("old-lucky", 1.30, source_hash="lucky", time=first)])  # written last, measured first
+    top = best(lb.read(), top=2)
+    assert list(top["kernel"]) == ["steady", "lucky-rechecked"]
+    assert list(top["speedup_offline"]) == [1.05, 1.01]
 
 
 def test_sources_are_stored_by_content_hash(tmp_path):
