@@ -424,14 +424,18 @@ def export(
 ) -> None:
     """Build a dispatch library: this GPU's best kernel per tuned problem and a table that
     picks one per call (the exact problem; else the nearest tuned M where that kernel was
-    verified; else none, and the caller's library call runs)."""
+    verified; else none, and the caller's library call runs). A problem whose best kernel
+    is slower than the library call gets none."""
     settings = load_settings({"results": results})
     table = api.export(library, gpu=gpu, shapes=shape_set(shapes, model, tokens, dtype), settings=settings)
     if json_out:
         print(json.dumps({"library": str(library), "versions": table.versions,
-                          "entries": [e.__dict__ for e in table.entries]}, indent=1, default=str))
+                          "entries": [e.__dict__ for e in table.entries],
+                          "library_call": sorted(table.library_call)}, indent=1, default=str))
     else:
-        print(f"{len(table.entries)} kernel(s) for {table.versions.get('gpu')} -> {library}")
+        print(f"{len(table.entries)} kernel(s) for {table.versions.get('gpu')} -> {library}"
+              + (f"; {len(table.library_call)} problem(s) left to the library call (no kernel beat it)"
+                 if table.library_call else ""))
 
 
 @app.command("compile")

@@ -5,7 +5,10 @@ A library is a directory: `index.json` (the versions it was built and measured w
 one entry per tuned problem) and `kernels/<source hash>.so`. The table picks the kernel
 tuned for exactly the problem; for a problem never tuned, the kernel tuned for the nearest M
 with the same N, K, dtype and layout, but only where M lies within the M values that kernel
-was verified at; otherwise none. A table built for another GPU or driver picks none.
+was verified at; otherwise none. A problem whose best kernel was measured slower than the
+library call (a claim below MIN_SPEEDUP) gets no kernel, and is recorded so that the
+nearest-M rule never hands it another M's kernel. A table built for another GPU or driver
+picks none.
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ VERSION_KEYS = ("gpu", "driver")  # a mismatch in any: every call falls back
 # a caller's own runtime may differ on the same machine (torch 2.11's 13.0 beside CuPy's 13.2
 # on the H200) and does not reach the kernels, which carry nvcc's; the driver pins the rest.
 BUILD_KEYS = ("cuda", "nvcc", "cutlass", "arch")
+MIN_SPEEDUP = 1.0  # below it the library call is faster: the op should run that instead
 
 
 @dataclass(frozen=True)
@@ -49,10 +53,12 @@ class Entry:
 class DispatchTable:
     """Picks the kernel for a call (see the module docstring)."""
 
-    def __init__(self, entries: list[Entry], versions: dict[str, Any], root: Path | None = None):
+    def __init__(self, entries: list[Entry], versions: dict[str, Any], root: Path | None = None,
+                 library_call: frozenset[tuple] = frozenset()):
         self.entries = entries
         self.versions = versions
         self.root = root
+        self.library_call = library_call  # (m, n, k, dtype, layout) measured faster by the library
         self._by_shape: dict[tuple, list[Entry]] = {}
         for entry in entries:
             self._by_shape.setdefault((entry.n, entry.k, entry.dtype, entry.layout), []).append(entry)
@@ -65,9 +71,10 @@ class DispatchTable:
         try:
             data = json.loads(index.read_text())
             entries = [Entry(**{**e, "verified_m": tuple(e["verified_m"])}) for e in data["entries"]]
+            library_call = frozenset(tuple(p) for p in data.get("library_call", []))
         except (ValueError, KeyError, TypeError) as exc:
             raise Cudal2Error(f"{index} is not a readable cudal2 library index: {exc}") from None
-        return cls(entries, data["versions"], Path(root))
+        return cls(entries, data["versions"], Path(root), library_call)
 
     def mismatch(self, environment: dict[str, Any]) -> str | None:
         """Why this table does not serve `environment` (GPU, driver), or None."""
@@ -77,6 +84,8 @@ class DispatchTable:
         return None
 
     def choose(self, m: int, n: int, k: int, dtype: str, layout: str) -> Entry | None:
+        if (m, n, k, dtype, layout) in self.library_call:
+            return None
         candidates = self._by_shape.get((n, k, dtype, layout), [])
         for entry in sorted(candidates, key=lambda e: (abs(e.m - m), e.m)):
             if entry.m == m or min(entry.verified_m) <= m <= max(entry.verified_m):
@@ -84,10 +93,12 @@ class DispatchTable:
         return None
 
 
-def export_library(board: Leaderboard, rows: pd.DataFrame, compiler: Compiler, out: Path) -> DispatchTable:
+def export_library(board: Leaderboard, rows: pd.DataFrame, compiler: Compiler, out: Path,
+                   min_speedup: float = MIN_SPEEDUP) -> DispatchTable:
     """Writes the library of the best kernel per problem of `rows` (one protocol, one GPU)
     into `out`: each kernel's stored source compiled (from the cache when built before) and
-    copied, and the index with the versions of the rows' measurements."""
+    copied, and the index with the versions of the rows' measurements. Problems whose best
+    claim is below `min_speedup` are left to the library call."""
     winners = best(rows, 1)
     if winners.empty:
         raise Cudal2Error("no verified kernel to export")
@@ -96,6 +107,9 @@ def export_library(board: Leaderboard, rows: pd.DataFrame, compiler: Compiler, o
         raise Cudal2Error(f"the rows are of {len(gpus)} GPUs ({', '.join(gpus)}); choose one with --gpu")
     first = winners.iloc[0]
     versions = {key: None if pd.isna(first.get(key)) else first.get(key) for key in VERSION_KEYS + BUILD_KEYS}
+    slower = winners["speedup_offline"] < min_speedup
+    library_call = sorted((int(r.m), int(r.n), int(r.k), r.dtype, r.layout) for r in winners[slower].itertuples())
+    winners = winners[~slower]
     ok = rows[rows["status"] == "ok"]
     kernels = Path(out) / "kernels"
     kernels.mkdir(parents=True, exist_ok=True)
@@ -110,9 +124,9 @@ def export_library(board: Leaderboard, rows: pd.DataFrame, compiler: Compiler, o
                   & (ok["dtype"] == row.dtype) & (ok["layout"] == row.layout)]
         entries.append(Entry(int(row.m), int(row.n), int(row.k), row.dtype, row.layout, f"kernels/{target.name}",
                              row.kernel, float(row.speedup_offline), tuple(sorted({int(v) for v in same["m"]}))))
-    index = {"versions": versions, "entries": [asdict(e) for e in entries]}
+    index = {"versions": versions, "entries": [asdict(e) for e in entries], "library_call": library_call}
     (Path(out) / INDEX).write_text(json.dumps(index, indent=1, default=str))
-    return DispatchTable(entries, versions, Path(out))
+    return DispatchTable(entries, versions, Path(out), frozenset(library_call))
 
 
 def serving(table: DispatchTable, environment: dict[str, Any]) -> bool:

@@ -64,6 +64,7 @@ def test_export_writes_the_best_kernels_and_a_table_that_loads(tmp_path, cache_d
     digest = board.store_source(source)
     facts = {**{k: VERSIONS[k] for k in ("driver", "cuda", "arch")}, "source_hash": digest, "n": 4096, "k": 4096}
     board.append([row("simt", 1.02, m=64, **facts), row("simt", 1.01, m=128, **facts),
+                  row("simt", 0.97, m=96, **facts),  # slower than the library call there
                   row("other-gpu", 1.5, m=64, **{**facts, "gpu": "NVIDIA A100-SXM4-80GB"})])
     out = tmp_path / "lib"
     result = CliRunner(env={"CUDAL2_CACHE_DIR": str(cache_dir)}).invoke(
@@ -71,8 +72,12 @@ def test_export_writes_the_best_kernels_and_a_table_that_loads(tmp_path, cache_d
     assert result.exit_code == 0, result.output
     table = DispatchTable.load(out)
     assert table.versions["gpu"] == "NVIDIA H200" and len(table.entries) == 2
-    chosen = table.choose(100, 4096, 4096, "fp16", "nn")  # between the two tuned Ms, both verified 64..128
-    assert chosen.m == 128 and chosen.verified_m == (64, 128) and (out / chosen.library).is_file()
+    chosen = table.choose(100, 4096, 4096, "fp16", "nn")  # between the tuned Ms, all verified 64..128
+    assert chosen.m == 128 and chosen.verified_m == (64, 96, 128) and (out / chosen.library).is_file()
+    # M=96 lost to the library call: neither its own kernel nor a neighbour's serves it
+    assert table.choose(96, 4096, 4096, "fp16", "nn") is None
+    assert DispatchTable.load(out).choose(96, 4096, 4096, "fp16", "nn") is None
+    assert json.loads(result.output)["library_call"] == [[96, 4096, 4096, "fp16", "nn"]]
     assert json.loads(result.output)["versions"]["driver"] == "580.159.04"
     both = CliRunner(env={"CUDAL2_CACHE_DIR": str(cache_dir)}).invoke(
         app, ["export", "--library", str(out), "--results", str(tmp_path / "results")])
