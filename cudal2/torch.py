@@ -24,14 +24,16 @@ from .runtime import DispatchTable, serving
 from .verify import Kernel
 
 DTYPES = {torch.float16: "fp16", torch.bfloat16: "bf16"}
-_state: dict = {"table": None, "kernels": {}}
+# The table, its loaded kernels, and each call shape's choice (a model calls few shapes many
+# times: the lookup is made once per shape, so the op's host cost stays near torch.matmul's).
+_state: dict = {"table": None, "kernels": {}, "chosen": {}}
 
 
 def use(library: Path | str | None, environment: dict | None = None) -> DispatchTable | None:
     """Serves the ops from the library in `library` (None: the fallback alone). A library
     built for another GPU or driver than `environment` (default: this process's
     current CUDA device) serves nothing, with one warning."""
-    _state.update(table=None, kernels={})
+    _state.update(table=None, kernels={}, chosen={})
     if library is None:
         return None
     table = DispatchTable.load(Path(library))
@@ -50,10 +52,19 @@ def _environment() -> dict:
             "cuda": torch.version.cuda}
 
 
-def _kernel(path: Path) -> Kernel:
-    if path not in _state["kernels"]:
-        _state["kernels"][path] = Kernel(str(path))
-    return _state["kernels"][path]
+def _kernel(key: tuple) -> tuple[Kernel, int] | None:
+    """The kernel the table picks for (m, n, k, dtype, layout) and its workspace bytes, or None."""
+    if key not in _state["chosen"]:
+        entry = _state["table"].choose(*key)
+        if entry is None:
+            _state["chosen"][key] = None
+        else:
+            path = _state["table"].root / entry.library
+            if path not in _state["kernels"]:  # one library may serve several shapes
+                _state["kernels"][path] = Kernel(str(path))
+            kernel = _state["kernels"][path]
+            _state["chosen"][key] = (kernel, kernel.workspace_bytes(*key[:3]))
+    return _state["chosen"][key]
 
 
 def _tuned(a: torch.Tensor, b: torch.Tensor, layout: str) -> torch.Tensor | None:
@@ -66,12 +77,11 @@ def _tuned(a: torch.Tensor, b: torch.Tensor, layout: str) -> torch.Tensor | None
     n = b.shape[1] if layout == "nn" else b.shape[0]
     if (b.shape[0] if layout == "nn" else b.shape[1]) != k:
         return None
-    entry = table.choose(m, n, k, DTYPES[a.dtype], layout)
-    if entry is None:
+    chosen = _kernel((m, n, k, DTYPES[a.dtype], layout))
+    if chosen is None:
         return None
-    kernel = _kernel(table.root / entry.library)
+    kernel, size = chosen
     out = torch.empty((m, n), dtype=a.dtype, device=a.device)
-    size = kernel.workspace_bytes(m, n, k)
     workspace = torch.empty(max(1, size), dtype=torch.uint8, device=a.device)
     code = kernel.gemm(a.data_ptr(), b.data_ptr(), out.data_ptr(), m, n, k, workspace.data_ptr(), size,
                        torch.cuda.current_stream(a.device).cuda_stream)

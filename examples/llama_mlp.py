@@ -5,7 +5,8 @@ torch.ops.cudal2.linear eagerly and in a CUDA graph against plain PyTorch. Needs
     python examples/llama_mlp.py [--tokens 1,16,128] [--iterations 2 (0: no tuning)] [--results DIR] [--library DIR]
 
 Prints a markdown table: per token count, the output's error against PyTorch's (relative to
-its largest value) and the block's time with and without cudal2, eager and in a graph.
+its largest value), the block's time with and without cudal2, eager and in a graph, and the
+host time of one down-projection call through F.linear and through the op.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from __future__ import annotations
 import argparse
 import copy
 import statistics
+import time
 from pathlib import Path
 
 import torch
@@ -61,6 +63,20 @@ def device_us(fn, graph: bool, repeats: int = 20) -> float:
     return statistics.median(times)
 
 
+def host_us(fn, calls: int = 200) -> float:
+    """Host time per call of fn(): the calls are queued behind a long sleep kernel, so none
+    waits for the GPU and the wall time is the host's work alone."""
+    fn()
+    torch.cuda.synchronize()
+    torch.cuda._sleep(200_000_000)  # ~0.1 s at the H200's clock: longer than the calls take to queue
+    start = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    elapsed = time.perf_counter() - start
+    torch.cuda.synchronize()
+    return elapsed / calls * 1e6
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tokens", default="1,16,128")
@@ -82,8 +98,8 @@ def main() -> None:
     tuned = copy.deepcopy(model)
     print(f"{ops.patch(tuned)} of 2 Linear layers go through torch.ops.cudal2.linear")
     print("| tokens | error / max | tolerance | PyTorch eager us | cudal2 eager us | PyTorch graph us | "
-          "cudal2 graph us | speedup (graph) |")
-    print("|---|---|---|---|---|---|---|---|")
+          "cudal2 graph us | speedup (graph) | host us per down_proj call: F.linear / cudal2.linear |")
+    print("|---|---|---|---|---|---|---|---|---|")
     with torch.no_grad():
         for t in tokens:
             x = torch.randn(t, GATE_UP[1], device="cuda", dtype=torch.bfloat16)
@@ -91,8 +107,11 @@ def main() -> None:
             error = float((out - ref).abs().max() / ref.abs().max())
             tolerance = 4 * UNIT_ROUNDOFF["bf16"]  # two GEMMs, each within the verifier's 2 roundoffs
             times = [device_us(lambda m=m: m(x), graph) for graph in (False, True) for m in (model, tuned)]
+            h = torch.randn(t, DOWN[1], device="cuda", dtype=torch.bfloat16)
+            host = [host_us(lambda: F.linear(h, model.down.weight)),
+                    host_us(lambda: torch.ops.cudal2.linear(h, model.down.weight))]
             print(f"| {t} | {error:.2e} | {tolerance:.2e} | {times[0]:.1f} | {times[1]:.1f} | {times[2]:.1f} | "
-                  f"{times[3]:.1f} | {times[2] / times[3]:.3f} |")
+                  f"{times[3]:.1f} | {times[2] / times[3]:.3f} | {host[0]:.1f} / {host[1]:.1f} |")
 
 
 if __name__ == "__main__":
