@@ -60,7 +60,7 @@ for stage in "$@"; do
         cudal2 bench --m "$m" --n "$n" --k "$k" --dtype "$dtype" --layout "$layout" --top "${TOP:-1}" \
           --budget "${BUDGET:-0.3}" --results "$results" --json | oneline
       done 2>&1 | tee "$out/devset-remeasure.jsonl"
-      python3 scripts/remeasure.py "${DEVSET:-../shared/shapes/dev.csv}" "$results" --out "$out/remeasure.json" \
+      python3 scripts/remeasure.py "${DEVSET:-../shared/shapes/dev.csv}" "$results" --calls "${CALLS:-60}" --out "$out/remeasure.json" \
         2>"$out/remeasure.log" | tee "$out/remeasure.md" ;;
     protocol-probe)  # the protocol's times in variants where the independent check disagrees (scripts/protocol_probe.py)
       # with the SM clock and power logged beside it (nvidia-smi, every 50 ms)
