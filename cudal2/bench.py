@@ -9,10 +9,17 @@ contestant, candidate and baselines alike, in one process by two independent met
   behind untimed calls of the same contestant on the other input sets, so that the clock
   it runs at is a busy GPU's, as in the graph (measured on an H200: long calls right after
   the bench's own lighter work read up to 15% faster than the same calls in a graph);
-- `graph`: the call replayed in a CUDA graph between neighbour kernels that fill the GPU,
-  less the graph of the neighbours alone, per call (`graph_rounds`). A kernel launched with
-  programmatic dependent launch (PDL) gets what PDL gives behind a real kernel, no more.
-  The graph method runs in a process that never loads CUPTI (cudal2/worker.py).
+- `graph`: the call replayed in a CUDA graph between neighbour kernels (an elementwise pass
+  over activations, as between two GEMMs of a model), less the graph of the neighbours
+  alone, per call (`graph_rounds`). A kernel launched with programmatic dependent launch
+  (PDL) gets what PDL gives behind a real kernel, no more. The graph method runs in a
+  process that never loads CUPTI (cudal2/worker.py).
+
+Long calls are timed on a GPU at its steady state: large GEMMs run an H200 at its power
+cap, where the clock falls from 1.98 to about 1.4 GHz within a second or two of sustained
+load, and kernels that spend more energy per FLOP fall further. A job's first rounds would
+otherwise run at the boost clock of an idle GPU, which no model running such GEMMs back to
+back sees (cudal2/worker.py: SOAK_US, SOAK_S).
 
 The claimed speedup is the lower of the two ratios against the fastest baseline
 (`claimed`). Inputs rotate: every `kernel` round gives one of at least three input sets
@@ -40,7 +47,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 # The protocol of this version, and the earlier offline protocols (for study only).
-PROTOCOL = "cupti-graph-2"
+PROTOCOL = "cupti-graph-3"
 STUDY_PROTOCOLS = ("fenced", "back-to-back")
 PROTOCOLS = (PROTOCOL, *STUDY_PROTOCOLS)
 # The timing methods of the protocol: the two offline ones (the claim is the lower) and server.

@@ -419,6 +419,8 @@ def export(
     model: ModelOpt = None,
     tokens: TokensOpt = None,
     dtype: Annotated[Optional[str], typer.Option(help="a preset's dtype (default bf16)")] = None,
+    min_speedup: Annotated[float, typer.Option(
+        help="the lowest claimed speedup a kernel is exported at; below it the library call runs")] = 1.0,
     results: Results = None,
     json_out: Json = False,
 ) -> None:
@@ -427,7 +429,8 @@ def export(
     verified; else none, and the caller's library call runs). A problem whose best kernel
     is slower than the library call gets none."""
     settings = load_settings({"results": results})
-    table = api.export(library, gpu=gpu, shapes=shape_set(shapes, model, tokens, dtype), settings=settings)
+    table = api.export(library, gpu=gpu, shapes=shape_set(shapes, model, tokens, dtype), settings=settings,
+                       min_speedup=min_speedup)
     if json_out:
         print(json.dumps({"library": str(library), "versions": table.versions,
                           "entries": [e.__dict__ for e in table.entries],

@@ -30,6 +30,8 @@ MIN_ROUNDS = 5  # rounds of each process's methods in a job, at least
 # alternated, PDL kernels read 0.1-0.35 us more in the graph than in one block (and than
 # the independent check, scripts/remeasure.py).
 INTERLEAVE_US = 20.0
+# Calls this long are timed after SOAK_S of untimed replays (cudal2/bench.py: the steady state).
+SOAK_US, SOAK_S = 100.0, 1.5
 
 
 class Worker:
@@ -61,7 +63,8 @@ class Worker:
 
         A job of the protocol: both processes set up (the graph process verifies and
         autotunes first), then each times rounds of its methods for the job's timing budget
-        (at least MIN_ROUNDS): for calls of INTERLEAVE_US or more, the two processes' rounds
+        (at least MIN_ROUNDS), after SOAK_S of untimed replays for calls of SOAK_US or more:
+        for calls of INTERLEAVE_US or more, the two processes' rounds
         alternate (twice the budget in all), so that clock and thermal drift fall on both
         methods alike; then each returns its methods' timings."""
         first = self._graph.request(job, timeout)
@@ -73,7 +76,11 @@ class Worker:
             return {**first, **second, "timings": {}}
         children = (self._graph, self._cupti)
         budget = job["settings"].get("budget_s", 1.0)
-        short = (first.get("typical_us") or INTERLEAVE_US) < INTERLEAVE_US
+        typical = first.get("typical_us") or INTERLEAVE_US
+        short = typical < INTERLEAVE_US
+        if typical >= SOAK_US and (answer := self._graph.request({"op": "soak", "seconds": SOAK_S}, timeout)
+                                   ).get("status") != "ok":
+            return {**first, **answer, "timings": {}}
         for turn in ([(c,) for c in children] if short else [children]):
             deadline = time.perf_counter() + budget * (2 if len(turn) == 2 else 1)
             rounds = 0
@@ -186,12 +193,14 @@ def _serve(conn, device: int, cupti: bool) -> None:
         conn.send({"fatal": f"no usable CUDA device: {str(exc).splitlines()[0] if str(exc) else type(exc).__name__}"})
         return
     conn.send({"environment": environment})
-    handlers = {"kernel": _kernel_job, "baselines": _baselines_job, "round": _round_job, "finish": _finish_job}
+    handlers = {"kernel": _kernel_job, "baselines": _baselines_job, "round": _round_job, "soak": _soak_job,
+                "finish": _finish_job}
     while True:
         job = conn.recv()
         if job is None:
             return
-        untrusted = job["op"] == "kernel" or (job["op"] in ("round", "finish") and _SESSION.get("kind") == "kernel")
+        untrusted = job["op"] == "kernel" or (
+            job["op"] in ("round", "soak", "finish") and _SESSION.get("kind") == "kernel")
         try:
             result = handlers[job["op"]](job, environment, timer)
         except (cupy.cuda.runtime.CUDARuntimeError, cupy.cuda.driver.CUDADriverError) as exc:
@@ -326,6 +335,12 @@ def _round_job(job: dict[str, Any], environment: dict[str, Any], timer) -> dict[
         _SESSION["session"].round()
     except Rejected as r:
         return _rejected(r)
+    return {"status": "ok"}
+
+
+def _soak_job(job: dict[str, Any], environment: dict[str, Any], timer) -> dict[str, Any]:
+    """The open session's graphs replayed, untimed, for the job's seconds."""
+    _SESSION["session"].soak(job["seconds"])
     return {"status": "ok"}
 
 

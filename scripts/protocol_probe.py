@@ -50,7 +50,7 @@ from cudal2.worker import _abi_call  # noqa: E402
 import cudal2.measure as measure  # noqa: E402
 
 # The neighbour the protocol first used (and these variants' default): an elementwise pass
-# over 8 MB in 264 grid-stride blocks; the protocol's own now touches no memory.
+# over 8 MB in 264 grid-stride blocks; the protocol's own is one over 512 KB.
 MEMORY_NEIGHBOUR = r"""
 extern "C" __global__ void cudal2_memory_neighbour(float* x, unsigned n) {
   for (unsigned i = blockIdx.x * blockDim.x + threadIdx.x; i < n; i += gridDim.x * blockDim.x)

@@ -215,7 +215,7 @@ def two_phase_worker(graph_answer, cupti_answer):
     return worker, log
 
 
-def job(protocol="cupti-graph-2"):
+def job(protocol="cupti-graph-3"):
     return {"op": "kernel", "settings": {"protocol": protocol, "budget_s": 0.0}, "library": "k.so"}
 
 
@@ -231,11 +231,11 @@ def session_answers(opened, timings, failing_round=None):
 
 
 def test_a_job_opens_both_processes_then_alternates_their_rounds_and_merges_the_timings():
-    from cudal2.worker import MIN_ROUNDS
+    from cudal2.worker import MIN_ROUNDS, SOAK_S, SOAK_US
 
     record = {"index": 3, "of": 8}
     worker, log = two_phase_worker(
-        session_answers({"status": "ok", "tolerance": 0.01, "cublaslt": record, "typical_us": 400.0},
+        session_answers({"status": "ok", "tolerance": 0.01, "cublaslt": record, "typical_us": 4 * SOAK_US},
                         {"graph": {"kernel": 1}}),
         session_answers({"status": "ok"}, {"kernel": {"kernel": 2}}))
     result = worker.request(job(), 10)
@@ -247,9 +247,22 @@ def test_a_job_opens_both_processes_then_alternates_their_rounds_and_merges_the_
     opened = log[1][2]
     assert opened["phase"] == "cupti" and opened["cublaslt"] == record and opened["tolerance"] == 0.01
     assert "phase" not in log[0][2]
+    # a long call: the graphs replayed untimed first, so its rounds see a busy GPU's clock
+    assert ops[2] == ("graph", "soak") and log[2][2]["seconds"] == SOAK_S
     # then the rounds alternate (drift falls on both methods alike), then each finishes
-    assert ops[2:-2] == [("graph", "round"), ("cupti", "round")] * MIN_ROUNDS
+    assert ops[3:-2] == [("graph", "round"), ("cupti", "round")] * MIN_ROUNDS
     assert ops[-2:] == [("graph", "finish"), ("cupti", "finish")]
+
+
+def test_calls_between_the_two_thresholds_alternate_without_a_soak():
+    from cudal2.worker import INTERLEAVE_US, MIN_ROUNDS, SOAK_US
+
+    worker, log = two_phase_worker(
+        session_answers({"status": "ok", "typical_us": (INTERLEAVE_US + SOAK_US) / 2}, {"graph": {"kernel": 1}}),
+        session_answers({"status": "ok"}, {"kernel": {"kernel": 2}}))
+    worker.request(job(), 10)
+    ops = [(name, op) for name, op, _ in log]
+    assert ops[2:-2] == [("graph", "round"), ("cupti", "round")] * MIN_ROUNDS
 
 
 def test_short_calls_are_timed_in_one_block_per_process_the_graph_first():

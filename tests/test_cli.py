@@ -189,7 +189,7 @@ def test_leaderboard_shows_one_protocol_and_never_mixes_them(tmp_path):
     # The protocol's rows alone by default: a problem measured only by an earlier protocol
     # is not shown, and its flattering number never stands beside the protocol's.
     shown = json.loads(run("leaderboard", "--results", tmp_path, "--format", "json").output)
-    assert [(r["kernel"], r["bench"]) for r in shown] == [("now", "cupti-graph-2")]
+    assert [(r["kernel"], r["bench"]) for r in shown] == [("now", "cupti-graph-3")]
     before = json.loads(run("leaderboard", "--results", tmp_path, "--bench", "back-to-back", "--format", "json").output)
     assert [r["kernel"] for r in before] == ["only before", "before"]
     shapes = tmp_path / "shapes.csv"

@@ -17,7 +17,7 @@ from cudal2.render import load_templates, render, template_candidate
 def measured(rows):
     base = {"gpu": "NVIDIA H200", "cc": 90, "sm_count": 132, "max_sm_clock_mhz": 1980, "status": "ok",
             "template": "sm80_mma", "dtype": "fp16", "layout": "nn", "m": 512, "n": 512, "k": 512,
-            "bench": "cupti-graph-2"}
+            "bench": "cupti-graph-3"}
     return pd.DataFrame([{**base, **r} for r in rows])
 
 

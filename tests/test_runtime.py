@@ -78,6 +78,11 @@ def test_export_writes_the_best_kernels_and_a_table_that_loads(tmp_path, cache_d
     assert table.choose(96, 4096, 4096, "fp16", "nn") is None
     assert DispatchTable.load(out).choose(96, 4096, 4096, "fp16", "nn") is None
     assert json.loads(result.output)["library_call"] == [[96, 4096, 4096, "fp16", "nn"]]
+    lower = CliRunner(env={"CUDAL2_CACHE_DIR": str(cache_dir)}).invoke(
+        app, ["export", "--library", str(tmp_path / "all"), "--gpu", "h200", "--results", str(tmp_path / "results"),
+              "--min-speedup", "0.9"])
+    assert lower.exit_code == 0, lower.output
+    assert DispatchTable.load(tmp_path / "all").choose(96, 4096, 4096, "fp16", "nn").m == 96
     assert json.loads(result.output)["versions"]["driver"] == "580.159.04"
     both = CliRunner(env={"CUDAL2_CACHE_DIR": str(cache_dir)}).invoke(
         app, ["export", "--library", str(out), "--results", str(tmp_path / "results")])
