@@ -478,11 +478,11 @@ def compile_cmd(
     builds = compiler.compile_all([render_stage.render(c, problem) for c in candidates])
     records = [
         {"kernel": str(c), "status": b.status, "cached": b.cached, "seconds": round(b.seconds, 2),
-         **b.stats, "library": str(b.library) if b.library else None,
+         **b.stats, **b.declared, "library": str(b.library) if b.library else None,
          "error": None if b.status == "ok" else b.log[-2000:]}
         for c, b in zip(candidates, builds)
     ]
-    columns = ["kernel", "status", "cached", "seconds", "registers", "smem_bytes", "spill_bytes"]
+    columns = ["kernel", "status", "cached", "seconds", "registers", "smem_bytes", "dynamic_smem_bytes", "spill_bytes"]
     if json_out:
         print(json.dumps(records, indent=1))
     else:

@@ -10,6 +10,7 @@ import os
 import re
 import shutil
 import signal
+import struct
 import subprocess
 import tempfile
 import threading
@@ -29,6 +30,8 @@ BASE_FLAGS = (
     "-cudart", "shared", "--expt-relaxed-constexpr", "-Xptxas", "-v",
 )
 LIBRARY = "kernel.so"
+# What a library declares of itself beyond ptxas's report (declared_resources).
+RESOURCES = ("dynamic_smem_bytes", "producer_registers", "consumer_registers")
 
 
 @dataclass
@@ -47,6 +50,8 @@ class Build:
     stack_bytes: int | None = None
     exports: list[str] = field(default_factory=list)
     imports: list[str] = field(default_factory=list)
+    # RESOURCES as the library declares them (declared_resources); None where not declared
+    declared: dict[str, int | None] = field(default_factory=lambda: dict.fromkeys(RESOURCES))
 
     @property
     def stats(self) -> dict[str, int | None]:
@@ -127,6 +132,25 @@ def parse_ptxas(log: str) -> dict[str, int]:
         stats["stack_bytes"] = max(stats["stack_bytes"], int(m.group(1)))
         stats["spill_bytes"] = max(stats["spill_bytes"], int(m.group(2)) + int(m.group(3)))
     return stats
+
+
+# A template's record of what ptxas -v cannot see (templates/README.md): these 20 bytes, then
+# three little-endian int32 in the order of RESOURCES.
+RESOURCES_TAG = b"cudal2-resources".ljust(20, b"\0")
+
+
+def declared_resources(library: Path) -> dict[str, int | None]:
+    """The library's `cudal2_resources` record, read from the file, not loaded: no code runs
+    and no GPU is needed, so a compile-only build host records it too. The dynamic shared
+    memory of its GEMM launch, and the registers per thread of its producer and consumer
+    warpgroups after setmaxnreg (None where the kernel keeps its launch count); every value
+    None for a library without the record (free-form sources)."""
+    data = library.read_bytes()
+    at = data.find(RESOURCES_TAG)
+    if at < 0:
+        return dict.fromkeys(RESOURCES)
+    smem, producer, consumer = struct.unpack_from("<3i", data, at + len(RESOURCES_TAG))
+    return dict(zip(RESOURCES, (smem, producer or None, consumer or None)))
 
 
 def library_symbols(library: Path) -> tuple[list[str], list[str]]:
@@ -256,6 +280,7 @@ class Compiler:
                       **parse_ptxas(log) if returncode == 0 else {})
         if build.status == "ok":
             build.exports, build.imports = library_symbols(work / LIBRARY)
+            build.declared = declared_resources(work / LIBRARY)
             if "cudal2_gemm" not in build.exports:
                 build.status = "compile_error"
                 build.log += "\nthe library does not export cudal2_gemm (extern \"C\" int cudal2_gemm(...))"

@@ -36,6 +36,9 @@ SCHEMA = pa.schema([
     # outcome
     ("status", _S), ("error", _S),
     ("registers", _I), ("smem_bytes", _I), ("spill_bytes", _I), ("stack_bytes", _I),
+    # what a template's kernel declares beyond ptxas's report (compile.declared_resources):
+    # its dynamic shared memory, its warpgroups' registers per thread after setmaxnreg
+    ("dynamic_smem_bytes", _I), ("producer_registers", _I), ("consumer_registers", _I),
     ("compile_s", _F), ("max_error", _F), ("tolerance", _F),
     # timings (device time, microseconds) and the cuBLAS baseline from the same run
     ("offline_us", _F), ("offline_p20_us", _F), ("offline_p80_us", _F), ("offline_samples", _I),
@@ -75,8 +78,8 @@ SHIPPED = Path(__file__).resolve().parent / "data" / "measurements.parquet"
 SHIPPED_COLUMNS = (
     "run_id", "time", "gpu", "cc", "sm_count", "sm_clock_mhz", "max_sm_clock_mhz", "driver", "cuda", "nvcc",
     "cutlass", "arch", "m", "n", "k", "dtype", "layout", "kernel", "template", "params", "status", "registers",
-    "smem_bytes", "spill_bytes", "offline_us", "offline_p20_us", "offline_p80_us", "speedup_offline", "tflops",
-    "bench", "kernel_us", "graph_us",
+    "smem_bytes", "spill_bytes", "dynamic_smem_bytes", "producer_registers", "consumer_registers", "offline_us",
+    "offline_p20_us", "offline_p80_us", "speedup_offline", "tflops", "bench", "kernel_us", "graph_us",
     "speedup_kernel", "speedup_graph", "baseline", "baseline_offline_us",
 )
 

@@ -1,38 +1,30 @@
 """The `llm` proposer: asks an OpenAI-compatible endpoint for candidates, as CUDA-L1 does.
 
-Each round renders a contrastive prompt (prompts/*.md.j2): the problem, the GPU, the fastest
-library call's time (the baseline), the fastest and slowest measured candidates with their
-resource stats, and recent failures with their reasons. The reply's fenced blocks become candidates (template parameter
-sets or free-form sources) or `Invalid` proposals, whose reasons the next round shows.
+Each round renders a contrastive prompt (cudal2/prompt.py, prompts/*.md.j2). The reply's
+fenced blocks become candidates (template parameter sets or free-form sources) or `Invalid`
+proposals, whose reasons the next round shows.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
-import math
 import os
 import re
-import statistics
 import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlparse
 
-import jinja2
 import openai
 
 from .candidate import Candidate, Invalid
 from .config import _coerce, config_table
 from .errors import Cudal2Error
-from .leaderboard import BASELINES
-from .problem import LAYOUT_HELP, Problem
-from .environment import dram_bandwidth, tensor_peak
-from .propose import nearest_winners
-from .render import (Template, bundled_dir, get_template, load_templates, max_smem, recorded_params,
-                     template_candidate)
-from .verify import physical_floor_us
+from .problem import Problem
+from .prompt import round_prompt
+from .render import get_template, template_candidate
 
 
 @dataclass(frozen=True)
@@ -94,10 +86,6 @@ class LLMProposer:
         # Verified rows of other problems on this GPU (leaderboard.priors): a problem with few
         # measurements of its own is shown the nearest problems' fastest, as the search starts.
         self.prior: list[dict[str, Any]] = []
-        self.prompts = jinja2.Environment(
-            loader=jinja2.FileSystemLoader(bundled_dir("prompts")),
-            undefined=jinja2.StrictUndefined, trim_blocks=True, lstrip_blocks=True, keep_trailing_newline=True,
-        )
 
     def propose(self, problem: Problem, history: list[dict[str, Any]], n: int) -> list[Candidate | Invalid]:
         """Up to `n` new candidates, plus the reply's rejected proposals; [] once the
@@ -105,8 +93,8 @@ class LLMProposer:
         if self.rounds >= self.settings.max_rounds:
             return []
         self.rounds += 1
-        system = self.prompts.get_template("system.md.j2").render()
-        user = self.prompts.get_template("round.md.j2").render(self._facts(problem, history, n))
+        system, user = round_prompt(problem, history, n, cc=self.cc, device=self.device, prior=self.prior,
+                                    max_tokens=self.settings.max_tokens)
         self.run_dir.mkdir(parents=True, exist_ok=True)
         stem = self.run_dir / f"llm-round-{self.rounds}"
         Path(f"{stem}-prompt.md").write_text(f"<!-- system -->\n{system}\n<!-- user -->\n{user}")
@@ -162,46 +150,6 @@ class LLMProposer:
         text = " ".join(text.split())[:300]
         return text.replace(key, "***") if key else text
 
-    def _facts(self, problem: Problem, history: list[dict[str, Any]], n: int) -> dict[str, Any]:
-        """What round.md.j2 shows."""
-        baselines = [us for row in history if (us := _number(row.get("baseline_offline_us")))]
-        baseline_us = statistics.median(baselines) if baselines else None
-        measured = sorted(
-            (row for row in history
-             if row.get("status") == "ok" and row.get("kernel") not in BASELINES
-             and _number(row.get("speedup_offline")) is not None),
-            key=lambda row: -row["speedup_offline"],
-        )
-        ranked: dict[str, dict[str, str]] = {}
-        for row in measured:  # fastest first; a kernel measured again keeps its best row
-            ranked.setdefault(_kernel(row), _measured(row))
-        ranked_rows = list(ranked.values())
-        nearest = [] if len(ranked_rows) >= WARM_START else [
-            {**_measured(row), "problem": f"{row['m']}x{row['n']}x{row['k']} {row['dtype']} {row['layout']}"}
-            for row in nearest_winners(problem, self.prior)[:WARM_START]]
-        # "pending": proposed and compiling, not measured yet (the optimize loop's batch ahead)
-        failures = [
-            row for row in history
-            if row.get("status") not in ("ok", "pending", None) and row.get("kernel") not in BASELINES
-        ][-6:]
-        return {
-            "problem": problem, "layout_help": LAYOUT_HELP[problem.layout], "cc": self.cc, "n": n,
-            "max_tokens": self.settings.max_tokens,
-            "gpu": _gpu_facts(self.device, problem),
-            "baseline_us": baseline_us,
-            "baseline_tflops": problem.flops / baseline_us / 1e6 if baseline_us else None,
-            "templates": [
-                _template_facts(t, self.cc) for t in load_templates().values() if t.supports(problem, self.cc)
-            ],
-            "derived": _problem_facts(self.device, problem),
-            "best": ranked_rows[:8],
-            "near_misses": ranked_rows[8:12],
-            "nearest": nearest,
-            "failures": [
-                {"kernel": _kernel(row), "status": row["status"], "reason": _reason(row)} for row in failures
-            ],
-        }
-
 
 # Sent when a reply stopped at the token limit (finish_reason "length").
 CONTINUE = "Your reply was cut off at the token limit. Continue exactly where it stopped, repeating nothing."
@@ -239,116 +187,6 @@ def _client(settings: LLMSettings) -> openai.OpenAI:
     return openai.OpenAI(
         base_url=settings.base_url, api_key=key, timeout=settings.timeout, max_retries=settings.max_retries
     )
-
-
-def _number(value: Any) -> float | None:
-    """A measured value, or None for a missing one (None, or NaN from pandas)."""
-    if value is None or isinstance(value, str) or (isinstance(value, float) and math.isnan(value)):
-        return None
-    return value
-
-
-def _text(value: Any) -> str | None:
-    return value if isinstance(value, str) and value else None
-
-
-WARM_START = 8  # below this many measured candidates of its own, a problem is shown its nearest ones
-
-
-def _kernel(row: dict[str, Any]) -> str:
-    """A candidate as the model should name it back: template and JSON parameters, as
-    today's template completes the recorded ones (parameters added since at their defaults)."""
-    template, params, kernel = _text(row.get("template")), _text(row.get("params")), _text(row.get("kernel"))
-    if template and params:
-        if (today := recorded_params(row)) is not None:
-            return f"{template} {json.dumps(today, sort_keys=True)}"
-        return f"{template} {params} (an earlier version of the template: not a valid parameter set today)"
-    if template:
-        return kernel or template
-    return f"free-form source {kernel or '?'}"
-
-
-def _measured(row: dict[str, Any]) -> dict[str, str]:
-    def shown(column: str, form: str) -> str:
-        value = _number(row.get(column))
-        return "-" if value is None else form.format(value)
-
-    low, high = _number(row.get("offline_p20_us")), _number(row.get("offline_p80_us"))
-    return {
-        "kernel": _kernel(row), "speedup": shown("speedup_offline", "{:.3f}x"), "time": shown("offline_us", "{:.2f}"),
-        "spread": f"{low:.2f}-{high:.2f}" if low is not None and high is not None else "-",
-        "methods": f"{shown('kernel_us', '{:.2f}')} / {shown('graph_us', '{:.2f}')}",
-        "tflops": shown("tflops", "{:.1f}"), "registers": shown("registers", "{:.0f}"),
-        "smem": shown("smem_bytes", "{:.0f}"), "spills": shown("spill_bytes", "{:.0f}"),
-    }
-
-
-def _problem_facts(device: dict[str, Any], problem: Problem) -> list[tuple[str, str]]:
-    """What a tuner derives before choosing a tile: bytes, intensity, the DRAM floor, and
-    how many output tiles (and waves over the SMs) common tile shapes make."""
-    facts = [("operands (A, B, C once)", f"{problem.min_bytes / 1e6:.3g} MB"),
-             ("arithmetic intensity", f"{problem.flops / problem.min_bytes:.0f} FLOP/byte")]
-    if device.get("memory_clock_khz") and device.get("memory_bus_bits"):
-        bandwidth = dram_bandwidth(device)
-        facts.append(("DRAM time floor (operands once at peak bandwidth)", f"{problem.min_bytes / bandwidth * 1e6:.2f} us"))
-        if all(device.get(key) is not None for key in ("cc", "sm_count", "max_sm_clock_mhz")):
-            ridge = tensor_peak(device) / bandwidth
-            facts.append(("the GPU's ridge point (tensor peak / DRAM bandwidth)", f"{ridge:.0f} FLOP/byte"))
-    if sms := device.get("sm_count"):
-        for tm, tn in ((64, 64), (128, 128), (128, 256)):
-            tiles = math.ceil(problem.m / tm) * math.ceil(problem.n / tn)
-            facts.append((f"{tm}x{tn} output tiles", f"{tiles} ({tiles / sms:.2f} waves on {sms} SMs)"))
-    return facts
-
-
-def _reason(row: dict[str, Any]) -> str:
-    """A failure's reason on one line; of a compiler log, its first few error lines."""
-    text = _text(row.get("error")) or "(no reason recorded)"
-    if row.get("status") == "compile_error":
-        lines = [line.strip() for line in text.splitlines() if re.search(r"error\s*:", line, re.I)]
-        lines = lines or text.strip().splitlines()[-3:]
-        # nvcc names the temporary build folder; the file name and line are what matter
-        text = " / ".join(re.sub(r"^\S*/(?=[^/\s]+\(\d+\))", "", line) for line in lines[:3])
-    text = " ".join(text.split())
-    return text if len(text) <= 400 else text[:400] + " ..."
-
-
-_GPU_FACTS = (
-    ("gpu", "name", "{}"),
-    ("sm_count", "streaming multiprocessors", "{}"),
-    ("max_sm_clock_mhz", "max SM clock", "{} MHz"),
-    ("l2_bytes", "L2 cache", "{} bytes"),
-    ("smem_optin_bytes", "shared memory per block (opt-in)", "{} bytes"),
-    ("memory_clock_khz", "memory clock", "{} kHz"),
-    ("memory_bus_bits", "memory bus width", "{} bits"),
-)
-
-
-def _gpu_facts(device: dict[str, Any], problem: Problem) -> list[tuple[str, str]]:
-    """The device facts that are known, as (label, text)."""
-    facts = [(label, form.format(device[key])) for key, label, form in _GPU_FACTS if device.get(key) is not None]
-    if device.get("cc") is not None:
-        facts.insert(1, ("compute capability", f"{device['cc'] // 10}.{device['cc'] % 10}"))
-    if all(device.get(key) is not None for key in ("cc", "sm_count", "max_sm_clock_mhz")):
-        floor = physical_floor_us(problem, device, cold_l2=False)
-        facts.append(("tensor-core time floor for this problem (peak FLOP/s at max clock)", f"{floor:.2f} us"))
-    return facts
-
-
-def _template_facts(template: Template, cc: int) -> dict[str, Any]:
-    space = template.space
-    return {
-        "name": template.name,
-        "description": space.description,
-        "params": [
-            {"name": p.name, "choices": ", ".join(json.dumps(v) for v in p.values),
-             "default": json.dumps(p.default), "help": p.help}
-            for p in space.params.values()
-        ],
-        "derived": list(space.derived.items()),
-        "constraints": space.constraints,
-        "max_smem": max_smem(cc),
-    }
 
 
 # A fenced block: its language tag, its body, and its closing fence (None when the reply

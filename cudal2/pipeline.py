@@ -148,6 +148,8 @@ def _candidate_row(ctx: Context, candidate: Candidate, source: str, build: Build
     }
     if build is not None:
         row.update(build.stats, compile_s=build.seconds)
+        if candidate.template is not None:  # a free-form source's record is its author's word, not a fact
+            row.update(build.declared)
     return row
 
 

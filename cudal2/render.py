@@ -247,16 +247,10 @@ class Space:
         # which the last of its parameters is chosen.
         checks: list[list[tuple[str, tuple[str, ...]]]] = [[] for _ in names]
         for rule in self.constraints:
-            params, derived = self._reads(rule)
+            params, derived = self.reads(rule)
             at = max((depth[n] for n in params), default=0)
             checks[at].append((rule, tuple(d for d in self.derived if d in derived)))
         base = target_facts(cc)
-
-        def holds(rule: str, derived: tuple[str, ...], chosen: dict[str, Any]) -> bool:
-            env = {**base, **chosen}
-            for name in derived:
-                env[name] = _evaluate(self.derived[name], env)
-            return bool(_evaluate(rule, env))
 
         def walk(i: int, chosen: dict[str, Any]) -> Iterator[dict[str, Any]]:
             if i == len(names):
@@ -264,13 +258,33 @@ class Space:
                 return
             for value in self.params[names[i]].values:
                 chosen[names[i]] = value
-                if all(holds(rule, derived, chosen) for rule, derived in checks[i]):
+                if all(self._holds(rule, derived, {**base, **chosen}) for rule, derived in checks[i]):
                     yield from walk(i + 1, chosen)
             del chosen[names[i]]
 
         yield from walk(0, {})
 
-    def _reads(self, expr: str) -> tuple[set[str], set[str]]:
+    def binding(self, cc: int) -> tuple[str, ...]:
+        """The constraints that some values of the parameters they read break on target `cc`.
+        A constraint reads parameters, derived values and the target's facts only, so each
+        of the others holds for every parameter set there."""
+        found = []
+        for rule in self.constraints:
+            params, derived = self.reads(rule)
+            names, steps = sorted(params), tuple(d for d in self.derived if d in derived)
+            if not all(self._holds(rule, steps, {**target_facts(cc), **dict(zip(names, values))})
+                       for values in itertools.product(*(self.params[name].values for name in names))):
+                found.append(rule)
+        return tuple(found)
+
+    def _holds(self, rule: str, derived: tuple[str, ...], env: dict[str, Any]) -> bool:
+        """Whether `rule` holds for the parameters and target facts in `env`, once the derived
+        values it reads (`derived`, in file order) are added to it."""
+        for name in derived:
+            env[name] = _evaluate(self.derived[name], env)
+        return bool(_evaluate(rule, env))
+
+    def reads(self, expr: str) -> tuple[set[str], set[str]]:
         """(parameters, derived values) an expression reads, through derived values."""
         params: set[str] = set()
         derived: set[str] = set()

@@ -1,11 +1,13 @@
+import struct
 from pathlib import Path
 
 import pytest
 
 from cudal2.baselines import cublas_location
-from cudal2.compile import Cancelled, Compiler, cache_key, library_symbols, parse_ptxas
+from cudal2.compile import (RESOURCES_TAG, Cancelled, Compiler, cache_key, declared_resources, library_symbols,
+                            parse_ptxas)
 from cudal2.problem import Problem
-from cudal2.render import render, template_candidate
+from cudal2.render import get_template, max_smem, render, template_candidate
 from cudal2.verify import forbidden_imports
 
 from conftest import ROOT, fixture_source
@@ -21,9 +23,28 @@ def test_template_compiles_for_sm90a_with_resource_report(compiler):
     assert "cudal2_gemm" in build.exports
     assert 0 < build.registers <= 255 and build.spill_bytes == 0
     assert forbidden_imports(build.imports) == []
+    # ptxas sees no shared memory (it is all dynamic); the library's record gives the launch's,
+    # which for this template is its space's exact formula; every warp keeps its registers
+    space = get_template("sm80_mma").space
+    assert build.smem_bytes == 0 and build.declared == {
+        "dynamic_smem_bytes": space.facts(space.defaults(), 90)["smem_bytes"],
+        "producer_registers": None, "consumer_registers": None}
 
     again = compiler.compile(source)  # served from the cache: no nvcc run
     assert again.cached and again.library == build.library and again.registers == build.registers
+    assert again.declared == build.declared
+
+
+def test_declared_resources_are_read_from_the_file_without_loading_it(tmp_path):
+    record = RESOURCES_TAG + struct.pack("<3i", 214016, 40, 232)
+    (tmp_path / "record.so").write_bytes(b"\x7fELF" + bytes(1000) + record + bytes(64))
+    assert declared_resources(tmp_path / "record.so") == {
+        "dynamic_smem_bytes": 214016, "producer_registers": 40, "consumer_registers": 232}
+    (tmp_path / "kept.so").write_bytes(RESOURCES_TAG + struct.pack("<3i", 98816, 0, 0))  # no setmaxnreg
+    assert declared_resources(tmp_path / "kept.so") == {
+        "dynamic_smem_bytes": 98816, "producer_registers": None, "consumer_registers": None}
+    (tmp_path / "plain.so").write_bytes(b"\x7fELF" + bytes(1000))
+    assert set(declared_resources(tmp_path / "plain.so").values()) == {None}
 
 
 def test_bf16_nt_variant_compiles(compiler):
@@ -115,12 +136,26 @@ def test_cutlass_sm90_template_compiles_with_allowed_imports(compiler):
     sources = [render(template_candidate("sm90_cutlass", params, 90), Problem(1, 1, 1, dtype, layout))
                for params, dtype, layout in (({}, "fp16", "nn"), (parallel, "bf16", "nt"), (swapped, "fp16", "nn"),
                                              (overlap, "bf16", "nt"))]
-    for build in compiler.compile_all(sources):
+    configs = ({}, parallel, swapped, overlap)
+    space = get_template("sm90_cutlass").space
+    for params, build in zip(configs, compiler.compile_all(sources)):
         assert build.status == "ok", build.log[-3000:]
         assert "cudal2_gemm" in build.exports and "cudal2_workspace_bytes" in build.exports
         assert build.spill_bytes == 0
         assert "wgmma" not in build.log.lower(), build.log[-3000:]
         assert forbidden_imports(build.imports) == []
+        # The GEMM's shared memory, which ptxas does not count (it is all dynamic): at least its
+        # stages' A and B tiles (as many as the space reckons CUTLASS's carveout makes), at
+        # most the opt-in shared memory (the kernel refuses to run beyond it). The cooperative
+        # kernels move registers with setmaxnreg: 40 to the producer, 232 to the consumers
+        # (CUTLASS's counts below 208 accumulator registers, which acc_regs <= 192 keeps); the
+        # non-persistent one keeps its launch count.
+        facts = space.facts(template_candidate("sm90_cutlass", params, 90).param_dict, 90)
+        declared = build.declared
+        assert build.smem_bytes == 0
+        assert facts["mainloop_stages"] * (facts["stage_bytes"] - 16) <= declared["dynamic_smem_bytes"] <= max_smem(90)
+        registers = (40, 232) if facts["coop"] else (None, None)
+        assert (declared["producer_registers"], declared["consumer_registers"]) == registers, params
 
 
 def sample_of_space(template: str, count: int, seed: int) -> list:

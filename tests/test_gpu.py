@@ -24,7 +24,7 @@ from cudal2.verify import Kernel, Numerics, Operands, compare, trusted_error
 from cudal2.baselines import cublas_gemm
 from cudal2.worker import Worker
 
-from conftest import ROOT, fixture_source, gpu_cc
+from conftest import ROOT, fenced, fixture_source, gpu_cc
 
 pytestmark = pytest.mark.gpu
 
@@ -381,8 +381,6 @@ def test_optimize_search_ends_with_a_verified_exported_kernel(tmp_path, cache_di
 
 
 def test_optimize_llm_free_form_kernels_are_verified_on_the_gpu(tmp_path, cache_dir, endpoint, monkeypatch):
-    from conftest import fenced
-
     monkeypatch.setenv("OPENAI_API_KEY", "sk-test-not-written")
     honest = (ROOT / "examples" / "simt_gemm_fp16_nn.cu").read_text()
     endpoint.reply(fenced("cuda", honest) + "\n" + fenced("cuda", fixture_source("past_end")))
@@ -395,6 +393,44 @@ def test_optimize_llm_free_form_kernels_are_verified_on_the_gpu(tmp_path, cache_
     kernels = rows[(rows["proposer"] == "llm") & ~rows["kernel"].isin(BASELINES)].set_index("kernel")
     assert sorted(kernels["status"]) == ["cheat", "ok"], kernels[["status", "error"]]
     assert "guard band" in kernels[kernels["status"] == "cheat"]["error"].iloc[0]
+
+
+def test_optimize_replays_one_llm_round_of_a_template_and_a_free_form_kernel(tmp_path, cache_dir):
+    """`cudal2 optimize --proposer llm --replay DIR`: one saved reply, holding a template
+    parameter set and a free-form kernel, stands in for the endpoint for one round. Both
+    candidates are compiled, verified and timed on this GPU, the template's row carries what
+    its kernel declared beyond ptxas's report, and the run's summary credits the llm proposer
+    with both (a replay spends no tokens)."""
+    template = "sm90_cutlass" if gpu_cc() == 90 else "sm80_mma"
+    saved = tmp_path / "saved"
+    saved.mkdir()
+    (saved / "llm-round-1-reply.md").write_text(
+        "The template's default, and a plain kernel to compare.\n"
+        + fenced("json", json.dumps({"template": template, "params": {}})) + "\n" + fenced("cuda", fixture_source("honest")))
+    results = tmp_path / "results"
+    runner = CliRunner(env={"CUDAL2_CACHE_DIR": str(cache_dir)})
+    result = runner.invoke(app, ["optimize", "--m", "512", "--n", "512", "--k", "512", "--proposer", "llm",
+                                 "--replay", str(saved), "--iterations", "1", "--batch", "2", "--budget", "0.2",
+                                 "--results", str(results), "--json"])
+    assert result.exit_code == 0, result.output
+    summary = json.loads(result.output)
+    rows = Leaderboard(results).read()
+    kernels = rows[~rows["kernel"].isin(BASELINES)].set_index("kernel")
+    ours = str(template_candidate(template, {}, gpu_cc()))
+    assert sorted(kernels.index) == sorted([ours, "llm-r1-2"]) and set(kernels["proposer"]) == {"llm"}, kernels
+    for name, row in kernels.iterrows():
+        assert row["status"] == "ok", (name, row["error"])
+        assert row["compile_s"] > 0 and row["registers"] > 0, name  # built by nvcc, ptxas's report kept
+        assert row["kernel_us"] > 0 and row["graph_us"] > 0 and row["speedup_offline"] > 0, name
+    declared = kernels.loc[ours, ["dynamic_smem_bytes", "producer_registers", "consumer_registers"]]
+    assert declared["dynamic_smem_bytes"] > 0
+    if template == "sm90_cutlass":  # the cooperative default: setmaxnreg moves its warpgroups' registers
+        assert (declared["producer_registers"], declared["consumer_registers"]) == (40, 232)
+    assert kernels.loc["llm-r1-2", ["dynamic_smem_bytes", "producer_registers", "consumer_registers"]].isna().all()
+    assert summary["contributions"] == {"llm": {"candidates": 2, "ok": 2,
+                                                "best_speedup": pytest.approx(kernels["speedup_offline"].max())}}
+    assert summary["llm_tokens_run"] == 0
+    assert (results / "runs" / summary["run_id"] / "gpu0" / "llm-round-1-prompt.md").is_file()
 
 
 def test_the_torch_op_runs_exported_kernels_and_falls_back_elsewhere(tmp_path, cache_dir):

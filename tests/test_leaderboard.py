@@ -131,13 +131,15 @@ def test_the_shipped_measurements_keep_verified_configurations_without_logs_or_s
     from cudal2.leaderboard import _read_part, compact
 
     lb = Leaderboard(tmp_path)
-    lb.append([row("fast", 1.2, template="sm80_mma", params='{"split_k": 1}', error=None, registers=128),
+    lb.append([row("fast", 1.2, template="sm80_mma", params='{"split_k": 1}', error=None, registers=128,
+                   dynamic_smem_bytes=131072),
                row("broken", None, status="compile_error", template="sm80_mma", params="{}", error="nvcc: 9 errors"),
                row("cuBLAS", 1.0)])
     path = tmp_path / "shipped.parquet"
     pq.write_table(compact(lb.read()), path)
     shipped = _read_part(path).to_pandas()
     assert list(shipped["kernel"]) == ["fast"] and shipped["registers"].iloc[0] == 128
+    assert shipped["dynamic_smem_bytes"].iloc[0] == 131072  # what the prompt shows of a prior's resources
     assert shipped["source_hash"].isna().all() and shipped["error"].isna().all()
     assert pq.read_schema(path).names == COLUMNS  # a leaderboard part like any other
 

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import json
 import os
+import random
+import re
 import time
 
 import pytest
@@ -14,7 +16,7 @@ from cudal2.config import load_settings
 from cudal2.errors import Cudal2Error
 from cudal2.llm import LLMProposer, LLMSettings, load_llm_settings
 from cudal2.problem import Problem
-from cudal2.render import load_templates, template_candidate
+from cudal2.render import load_templates, max_smem, template_candidate
 
 from conftest import fenced
 
@@ -338,3 +340,109 @@ def test_parameters_that_left_the_space_are_not_offered_as_valid(endpoint, tmp_p
     endpoint.reply("nothing")
     make_proposer(endpoint, tmp_path).propose(PROBLEM, [stale], 1)
     assert "an earlier version of the template: not a valid parameter set today" in endpoint.prompt()
+
+
+def test_each_row_shows_its_dynamic_shared_memory_and_registers_per_warpgroup(endpoint, tmp_path):
+    """ptxas counts static shared memory (0 for the templates' kernels) and the launch
+    registers; the prompt shows what the kernel declared besides, and "-" where nothing is
+    known (a free-form source)."""
+    measured = {"status": "ok", "offline_us": 200.0, "baseline_offline_us": 140.0, "smem_bytes": 0, "spill_bytes": 0}
+    history = [
+        {**measured, "kernel": "sm90_cutlass(...)", "template": "sm90_cutlass", "params": "{}", "speedup_offline": 0.98,
+         "registers": 168, "dynamic_smem_bytes": 214016, "producer_registers": 40, "consumer_registers": 232},
+        {**measured, "kernel": "sm80_mma(...)", "template": "sm80_mma", "params": "{}", "speedup_offline": 0.61,
+         "registers": 252, "dynamic_smem_bytes": 131072, "producer_registers": float("nan"),
+         "consumer_registers": float("nan")},
+        {**measured, "kernel": "mine.cu", "template": None, "params": None, "speedup_offline": 0.2, "registers": 64,
+         "spill_bytes": 24, "dynamic_smem_bytes": None},
+    ]
+    endpoint.reply("nothing")
+    make_proposer(endpoint, tmp_path).propose(PROBLEM, history, 1)
+    prompt = endpoint.prompt()
+    assert "| static smem (B) | dynamic smem (B) | spills (B) |" in prompt
+    assert "| 0.980x | 200.00 |" in prompt and "| 168 (40 / 232) | 0 | 214016 | 0 |" in prompt
+    assert "| 252 | 0 | 131072 | 0 |" in prompt
+    assert "| free-form source mine.cu | 0.200x |" in prompt and "| 64 | 0 | - | 24 |" in prompt
+
+
+def template_sections(prompt: str) -> dict[str, dict]:
+    """Each template of a prompt as the model reads it: the listed values and default of every
+    parameter, the constraints and the derived values they read, and the target's facts."""
+    sections = {}
+    body = prompt[prompt.index("# Templates"):prompt.index("Times are device time")]
+    for part in body.split("\n## ")[1:]:
+        name, lines = part.split("\n", 1)[0].strip(), part.splitlines()
+        params = {}
+        for m in (re.match(r"- `(\w+)`: (.+) \[(.+?)\] — ", line) for line in lines):
+            if m:
+                params[m.group(1)] = (json.loads(f"[{m.group(2)}]"), json.loads(m.group(3)))
+        rules, derived, target = [], {}, {}
+        for line in lines:
+            if header := re.match(r"Constraints .*`max_smem = (\d+)`, `cc = (\d+)`", line):
+                target = {"max_smem": int(header.group(1)), "cc": int(header.group(2))}
+            elif m := re.fullmatch(r"- `(\w+) = (.+)`", line):
+                derived[m.group(1)] = m.group(2)
+            elif m := re.fullmatch(r"- `(.+)`", line):
+                rules.append(m.group(1))
+        sections[name] = {"params": params, "constraints": rules, "derived": derived, "target": target}
+    return sections
+
+
+def shown_valid(section: dict, params: dict) -> bool:
+    """Whether a parameter set meets every constraint the prompt shows, judged from the prompt alone."""
+    names = {**section["target"], **params}
+    for name, expr in section["derived"].items():  # in the order shown: each may read those above
+        names[name] = eval(expr, {"__builtins__": {}, "min": min, "max": max}, names)
+    return all(eval(rule, {"__builtins__": {}, "min": min, "max": max}, names) for rule in section["constraints"])
+
+
+@pytest.mark.parametrize("cc", [90, 80])
+def test_the_template_section_says_exactly_which_parameter_sets_are_valid(endpoint, tmp_path, cc):
+    """Constraints that always hold on the target are left out, and the derived values no
+    shown constraint reads: a model judging from the prompt alone still accepts every valid
+    parameter set and no invalid one. Checked on valid configurations with one parameter
+    moved to another listed value, where a missing constraint or derived value would show."""
+    endpoint.reply("nothing")
+    make_proposer(endpoint, tmp_path, cc=cc).propose(PROBLEM, [], 1)
+    sections = template_sections(endpoint.prompt())
+    assert set(sections) == {n for n, t in load_templates().items() if t.supports(PROBLEM, cc)}
+    rng = random.Random(cc)
+    for name, section in sections.items():
+        space = load_templates()[name].space
+        assert {p: (list(s.values), s.default) for p, s in space.params.items()} == section["params"]
+        assert section["target"] == {"max_smem": max_smem(cc), "cc": cc}
+        valid = list(space.configurations(cc))
+        for _ in range(1500):
+            params = dict(rng.choice(valid))
+            moved = rng.choice(list(params))
+            params[moved] = rng.choice(section["params"][moved][0])
+            assert shown_valid(section, params) == (not space.violations(params, cc)), (name, params)
+
+
+def test_a_constraint_that_always_holds_on_the_target_is_not_shown(endpoint, tmp_path):
+    endpoint.reply("nothing").reply("nothing")
+    make_proposer(endpoint, tmp_path, cc=90).propose(PROBLEM, [], 1)
+    make_proposer(endpoint, tmp_path, cc=80).propose(PROBLEM, [], 1)
+    on_90, on_80 = (template_sections(endpoint.prompt(i))["sm80_mma"] for i in (0, 1))
+    assert "split_k == 1 or cc >= 90" not in on_90["constraints"]  # split-K clusters exist on sm_90
+    assert "split_k == 1 or cc >= 90" in on_80["constraints"]
+    assert set(on_90["constraints"]) == set(load_templates()["sm80_mma"].space.constraints) - {"split_k == 1 or cc >= 90"}
+    assert "threads" not in on_90["derived"] and "smem_bytes" in on_90["derived"]  # no constraint reads threads
+
+
+@pytest.mark.parametrize("problem", [Problem(2048, 512, 2048), Problem(4096, 4096, 4096)], ids=str)
+def test_the_template_section_stays_compact(endpoint, tmp_path, problem):
+    """It took 8,046 characters of a 12,807-character round (every constraint and derived
+    value, the long help); one line per parameter with short help and the binding constraints
+    take 5,737 of 10,688 (4096^3 fp16 nn on an H200, nothing measured yet)."""
+    endpoint.reply("nothing")
+    make_proposer(endpoint, tmp_path).propose(problem, [], 8)
+    prompt = endpoint.prompt()
+    section = prompt[prompt.index("# Templates"):prompt.index("Times are device time")]
+    assert len(section) <= 6200, len(section)
+    lines = [line for line in section.splitlines() if re.match(r"- `\w+`: ", line)]
+    assert len(lines) == sum(len(t.space.params) for t in load_templates().values())
+    assert max(len(p.help) for t in load_templates().values() for p in t.space.params.values()) <= 200
+    # what a tuner derives from the problem stays: tiles, waves and the floors
+    assert f"128x256 output tiles: {-(-problem.m // 128) * -(-problem.n // 256)} (" in prompt
+    assert "DRAM time floor" in prompt and "tensor-core time floor for this problem" in prompt

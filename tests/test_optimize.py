@@ -9,6 +9,7 @@ import json
 import math
 from pathlib import Path
 
+import pandas as pd
 import pytest
 from typer.testing import CliRunner
 
@@ -493,6 +494,46 @@ def test_a_round_replayed_from_saved_replies_runs_through_the_loop(tmp_path, com
     kernels = [r for r in out.rows if r["kernel"] not in BASELINES]
     assert [(r["status"], r["template"]) for r in kernels] == [("ok", None)]  # the free-form kernel, measured
     assert "no reply for round 2" in out.stopped
+
+
+# A free-form source that declares a record of resources as the templates do, with made-up values.
+FORGED = """#include <cuda_runtime.h>
+struct Cudal2Resources { char tag[20]; int dynamic_smem_bytes, producer_registers, consumer_registers; };
+extern "C" const Cudal2Resources cudal2_resources = {"cudal2-resources", 1, 2, 3};
+extern "C" int cudal2_gemm(const void*, const void*, void*, int, int, int, void*, size_t, cudaStream_t) { return 1; }
+"""
+
+
+def test_a_template_kernels_declared_resources_reach_its_row_and_the_next_prompt(tmp_path, compiler):
+    """Compiled for real: the template's record (its dynamic shared memory, which ptxas counts
+    as 0) is kept on its leaderboard row and shown in the next round's prompt; a free-form
+    source's record is its author's word and is not kept ("-")."""
+    from conftest import fenced
+
+    from cudal2.llm import LLMProposer, LLMSettings, ReplayClient
+
+    saved = tmp_path / "saved"
+    saved.mkdir()
+    (saved / "llm-round-1-reply.md").write_text(
+        fenced("json", json.dumps({"template": "sm80_mma", "params": {}})) + "\n" + fenced("cuda", FORGED))
+    # Round 2 is asked while round 1's batch is on the GPU; round 3 sees its rows (its prompt is
+    # written before the request that finds no reply).
+    (saved / "llm-round-2-reply.md").write_text("Nothing new.")
+    llm = LLMProposer(LLMSettings(), run_dir=tmp_path / "run", cc=90, device=H200, client=ReplayClient(saved))
+    out = optimize(context(tmp_path, compiler, StandInWorker()), llm, Budget(iterations=3, batch=2, patience=None))
+    assert "no reply for round 3" in out.stopped
+    rows = Leaderboard(tmp_path / "results").read().set_index("kernel")
+    space = get_template("sm80_mma").space
+    template = rows.loc[str(template_candidate("sm80_mma", {}, 90))]
+    assert template["smem_bytes"] == 0 and template["dynamic_smem_bytes"] == space.facts(space.defaults(), 90)["smem_bytes"]
+    assert pd.isna(template["producer_registers"]) and pd.isna(template["consumer_registers"])
+    forged = rows.loc["llm-r1-2"]
+    assert forged[["dynamic_smem_bytes", "producer_registers", "consumer_registers"]].isna().all()
+    prompt = (tmp_path / "run" / "llm-round-3-prompt.md").read_text()
+    [shown] = [line for line in prompt.splitlines() if line.startswith("| sm80_mma {")]
+    assert shown.endswith(f"| {template['registers']:.0f} | 0 | {template['dynamic_smem_bytes']:.0f} | 0 |"), shown
+    [free] = [line for line in prompt.splitlines() if line.startswith("| free-form source llm-r1-2 |")]
+    assert free.endswith(f"| {forged['registers']:.0f} | 0 | - | 0 |"), free
 
 
 @pytest.mark.skipif(cublas_location() is None, reason="cuBLAS headers not installed (pip install nvidia-cublas)")

@@ -194,3 +194,30 @@ def test_swapped_operands_compute_c_transposed_into_cs_memory():
     assert "EXTENDED_MMA_SHAPES" not in plain and "swap_ab" not in plain
     with pytest.raises(Cudal2Error, match=re.escape("fails swap_ab == 'no' or")):
         template_candidate("sm90_cutlass", {**swapped, "splits": "4", "reduction": "parallel"}, 90)
+
+
+def test_binding_constraints_are_those_some_parameter_set_breaks_on_the_target(tmp_path):
+    """A constraint reads parameters, derived values and the target; one that every value of
+    the parameters it reads meets on a target cannot reject anything there."""
+    from cudal2.render import Space
+
+    path = tmp_path / "space.toml"
+    path.write_text("""
+constraints = ["split == 1 or cc >= 90", "tile * depth <= 256", "bytes <= max_smem", "tile >= 1"]
+[derived]
+bytes = "tile * depth * 2048"
+[params.tile]
+values = [1, 8, 32]
+default = 8
+[params.depth]
+values = [1, 8]
+default = 1
+[params.split]
+values = [1, 2]
+default = 1
+""")
+    space = Space.load(path)
+    # tile 32 x depth 8 = 256 fits; 512 KiB of shared memory never does
+    assert space.binding(90) == ("bytes <= max_smem",)
+    assert space.binding(80) == ("split == 1 or cc >= 90", "bytes <= max_smem")
+    assert space.reads("bytes <= max_smem") == ({"tile", "depth"}, {"bytes"})
