@@ -6,6 +6,7 @@ verified template configuration's row, without logs or sources) from a results d
 
 from __future__ import annotations
 
+import argparse
 import sys
 from pathlib import Path
 
@@ -15,8 +16,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from cudal2.leaderboard import SHIPPED, Leaderboard, compact  # noqa: E402
 
-results = Path(sys.argv[1] if len(sys.argv) > 1 else "results")
-table = compact(Leaderboard(results).read(bench=None))
+parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+parser.add_argument("results", type=Path, nargs="?", default=Path("results"))
+args = parser.parse_args()
+if not (args.results / "leaderboard").is_dir():
+    sys.exit(f"{args.results} holds no leaderboard: nothing to ship (the shipped file is left as it was)")
+table = compact(Leaderboard(args.results).read(bench=None))
+if table.num_rows == 0:
+    sys.exit(f"{args.results}'s leaderboard has no verified template rows: the shipped file is left as it was")
 SHIPPED.parent.mkdir(parents=True, exist_ok=True)
 pq.write_table(table, SHIPPED, compression="zstd")
 print(f"{SHIPPED}: {table.num_rows} rows, {SHIPPED.stat().st_size / 1024:.0f} KiB")
