@@ -5,7 +5,8 @@
 #   scripts/gpu_session.sh devset  -> cudal2 bench on every row of shapes/dev.csv (DEVSET=path)
 #   scripts/gpu_session.sh devset-remeasure -> every dev row's best kernels (TOP per protocol) measured by
 #     this version's protocol, then scripts/remeasure.py (an independent check) on the same rows
-#   scripts/gpu_session.sh protocol-probe -> scripts/protocol_probe.py on dev rows ROWS (0-based, 0,1,2,3,4,5)
+#   scripts/gpu_session.sh protocol-probe -> scripts/protocol_probe.py on dev rows ROWS (0-based, 0,1,2,3,4,5;
+#     PROBE_ARGS="--graphs" for the graph method behind every neighbour, or "--leads 2,8")
 #   scripts/gpu_session.sh winners -> examples/llama_mlp.py at TOKENS (1,16,128): tuned, exported, run through the op
 #   scripts/gpu_session.sh sweep   -> a grid of sm80_mma configurations at 4096^3
 #   scripts/gpu_session.sh sweep-occupancy -> 128x128 tiles at two blocks per SM
@@ -66,7 +67,7 @@ for stage in "$@"; do
       # with the SM clock and power logged beside it (nvidia-smi, every 50 ms)
       nvidia-smi --query-gpu=timestamp,clocks.sm,power.draw,temperature.gpu --format=csv,noheader -lms 50 \
         > "$out/clocks.csv" 2>/dev/null & smi=$!
-      python3 scripts/protocol_probe.py "${DEVSET:-../shared/shapes/dev.csv}" "$results" --rows "${ROWS:-0,1,2,3,4,5}" \
+      python3 scripts/protocol_probe.py "${DEVSET:-../shared/shapes/dev.csv}" "$results" --rows "${ROWS:-0,1,2,3,4,5}" ${PROBE_ARGS:-} \
         --out "$out/protocol-probe.json" 2>&1 | tee "$out/protocol-probe.md"
       kill "$smi" ;;
     winners)  # use the winners on this GPU: examples/llama_mlp.py (tune, export, the op eager and in a graph)

@@ -17,6 +17,11 @@ protocol's own code (cudal2/measure.py) in these variants:
 - `graph, CUPTI paused` and `graph, CUPTI finalized` (cuptiFinalize before, re-attached after),
   behind both neighbours, and `graph, set blocks` (each set's calls consecutive).
 
+With `--graphs`, instead: the graph method behind every neighbour the protocol has had
+(8 MB grid-stride, 6 us of compute, 512 KB sin) and a 512 KB grid-stride one and none, with
+the protocol's calls per graph and with 21 (the independent check's 20), before CUPTI is
+loaded; then the kernel method.
+
 Prints one markdown table (median device us per variant) and the wall-clock window of each
 variant (for a clock log taken beside it, e.g. nvidia-smi -lms 50).
 """
@@ -59,10 +64,28 @@ extern "C" __global__ void cudal2_memory_neighbour(float* x, unsigned n) {
 """
 
 
-def memory_neighbour(stream):
+# The protocol's second neighbour (cupti-graph-2): every SM filled for about 6 us, no memory.
+COMPUTE_NEIGHBOUR = r"""
+extern "C" __global__ void cudal2_compute_neighbour(float* out, unsigned iterations) {
+  float x = threadIdx.x * 1e-3f, y = blockIdx.x * 1e-3f;
+  for (unsigned i = 0; i < iterations; ++i) { x = fmaf(x, 0.999f, y); y = fmaf(y, 0.999f, x); }
+  if (x == 12345.0f) out[0] = y;  // never true: keeps the loop
+}
+"""
+
+
+def memory_neighbour(stream, floats: int = 2 << 20):
+    """The grid-stride pass over `floats` (8 MB: the first protocol's neighbour) in 264 blocks."""
     kernel = cupy.RawKernel(MEMORY_NEIGHBOUR, "cudal2_memory_neighbour")
-    scratch = cupy.ones(2 << 20, cupy.float32)
-    return lambda: kernel((264,), (256,), (scratch, cupy.uint32(2 << 20)), stream=stream)
+    scratch = cupy.ones(floats, cupy.float32)
+    return lambda: kernel((264,), (256,), (scratch, cupy.uint32(floats)), stream=stream)
+
+
+def compute_neighbour(stream):
+    kernel = cupy.RawKernel(COMPUTE_NEIGHBOUR, "cudal2_compute_neighbour")
+    out = cupy.zeros(1, cupy.float32)
+    blocks = 4 * cupy.cuda.Device().attributes["MultiProcessorCount"]
+    return lambda: kernel((blocks,), (256,), (out, cupy.uint32(600)), stream=stream)
 
 
 @contextlib.contextmanager
@@ -121,6 +144,9 @@ def main() -> None:
     parser.add_argument("--out", type=Path)
     parser.add_argument("--leads", help="instead: the graph method and the kernel method with these numbers of "
                                         "lead calls (e.g. 2,6,12,24), in two passes, for long calls")
+    parser.add_argument("--graphs", action="store_true",
+                        help="instead: the graph method behind each neighbour the protocol has had and none, "
+                             "with the protocol's calls per graph and with 21, then the kernel method")
     args = parser.parse_args()
 
     board = Leaderboard(args.results)
@@ -150,10 +176,13 @@ def main() -> None:
         out[label] = fn()
         windows.append((label, t0, time.time()))
 
-    compute, memory = measure.neighbour_kernel(stream), memory_neighbour(stream)
+    compute, memory = compute_neighbour(stream), memory_neighbour(stream)
     if args.leads:
         with stream:
             lead_study(cases, [int(x) for x in args.leads.split(",")], stream, rng, variant)
+    elif args.graphs:
+        with stream:
+            graph_study(cases, stream, rng, variant, compute, memory)
     else:
         with stream:
             variant_study(cases, stream, rng, variant, compute, memory)
@@ -184,6 +213,26 @@ def lead_study(cases, leads, stream, rng, variant):
             for count in leads:
                 variant(f"kernel, {count} leads, {p}", out,
                         lambda: kernel_medians(run, sets, timer, rng, sets.refresh, count, budget_s=0.4))
+
+
+def graph_study(cases, stream, rng, variant, compute, memory):
+    """Why our PDL kernels read 0.3-0.5 us over their CUPTI time in the protocol's graph on
+    calls under 5 us, and at it in the independent check's (docs/h200-2026-12-01-protocol-3.md):
+    the neighbour's kind and the graph's length, before CUPTI is ever loaded; then CUPTI."""
+    neighbours = {"sin 512 KB (protocol)": measure.neighbour_kernel(stream),
+                  "grid-stride 512 KB": memory_neighbour(stream, 1 << 17), "grid-stride 8 MB": memory,
+                  "compute 6 us": compute, "none": lambda: None}
+    for problem, run, sets, calls, out in cases:
+        for s in range(len(sets.a)):
+            for name, call in run.items():
+                call(sets.a[s], sets.b[s], sets.c[name][s])
+        for label, neighbour in neighbours.items():
+            variant(f"graph, {label}, {calls} calls", out,
+                    lambda: graph_medians(run, sets, stream, calls, neighbour, rng))
+            variant(f"graph, {label}, 21 calls", out, lambda: graph_medians(run, sets, stream, 21, neighbour, rng))
+    timer = CuptiTimer()
+    for problem, run, sets, calls, out in cases:
+        variant("kernel", out, lambda: kernel_medians(run, sets, timer, rng, sets.refresh))
 
 
 def variant_study(cases, stream, rng, variant, compute, memory):
