@@ -1,0 +1,183 @@
+"""cudal2 leaderboard, check, report and export: what was measured, re-checked, drawn, and put to work."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Annotated, Optional
+
+import pandas as pd
+import typer
+
+from .. import api
+from ..bench import PROTOCOL, PROTOCOLS, STUDY_PROTOCOLS
+from ..config import load_settings
+from ..errors import Cudal2Error
+from ..leaderboard import STATUSES, Leaderboard, best, select
+from ..shapes import shape_set
+from ..tables import SHAPE_COLUMNS, emit_frame, fmt, jsonable, report_shapes, show_table
+from . import Json, ModelOpt, Results, TokensOpt, app, cli_errors
+
+@app.command("leaderboard")
+@cli_errors
+def leaderboard_cmd(
+    m: Annotated[Optional[int], typer.Option("--m")] = None,
+    n: Annotated[Optional[int], typer.Option("--n")] = None,
+    k: Annotated[Optional[int], typer.Option("--k")] = None,
+    gpu: Annotated[Optional[str], typer.Option(help="GPU name or part of it, any case (e.g. 'H200')")] = None,
+    dtype: Annotated[Optional[str], typer.Option()] = None,
+    layout: Annotated[Optional[str], typer.Option()] = None,
+    status: Annotated[Optional[str], typer.Option(help=f"show rows of this status: {' | '.join(STATUSES)}")] = None,
+    top: Annotated[int, typer.Option(help="kernels per problem")] = 1,
+    bench: Annotated[str, typer.Option(
+        help=f"rows of this bench protocol: {PROTOCOL} (this version's) | {' | '.join(STUDY_PROTOCOLS)} "
+             "(earlier protocols, never ranked with it)")] = PROTOCOL,
+    format: Annotated[str, typer.Option(help="table | csv | json | markdown")] = "table",
+    shapes: Annotated[Optional[Path], typer.Option(
+        help="a shape set (CSV with columns m, n, k[, dtype, layout]): its rows only, in its order, "
+             "with the geometric mean and minimum of their best speedups")] = None,
+    model: ModelOpt = None,
+    tokens: TokensOpt = None,
+    export: Annotated[bool, typer.Option(
+        "--export", help="also write each best kernel shown to results/best/<gpu>/<dtype>_<layout>/<m>_<n>_<k>.cu")] = False,
+    migrate: Annotated[bool, typer.Option(
+        "--migrate", help="rewrite every part into one part of the current schema, then show as asked")] = False,
+    results: Results = None,
+) -> None:
+    """Show the best verified kernel per problem with its speedup over the fastest library call.
+
+    The speedup is the lower of the CUPTI and in-graph ratios against the fastest of
+    cuBLAS, cuBLASLt autotuned and torch.matmul from the same run. With --status, show the
+    rows of that status instead (for example the cheats and why).
+    """
+    if format not in ("table", "csv", "json", "markdown"):
+        raise Cudal2Error(f"unknown format {format!r}; choose table, csv, json or markdown")
+    if status is not None and status not in STATUSES:
+        raise Cudal2Error(f"unknown status {status!r}; choose one of {', '.join(STATUSES)}")
+    if top < 1:
+        raise Cudal2Error(f"--top must be >= 1, got {top}")
+    if bench not in PROTOCOLS:
+        raise Cudal2Error(f"unknown --bench {bench!r}; choose {', '.join(PROTOCOLS)}")
+    if export and status is not None:
+        raise Cudal2Error("--export writes the best kernels; it does not combine with --status")
+    settings = load_settings({"results": results})
+    board = Leaderboard(settings.results)
+    if migrate:
+        replaced, count = board.migrate()
+        typer.echo(f"migrated {replaced} part(s), {count} rows, into one part of the current schema", err=True)
+    if not board.parts.exists():
+        raise Cudal2Error(f"no leaderboard in {settings.results} (nothing measured there yet, or another --results)")
+    df = select(board.read(bench), m=m, n=n, k=k, dtype=dtype, layout=layout)
+    if gpu is not None:  # 'H200' finds 'NVIDIA H200'
+        df = df[df["gpu"].fillna("").str.contains(gpu, case=False, regex=False)]
+    keys = ["gpu", "m", "n", "k", "dtype", "layout"]
+    if (named := shape_set(shapes, model, tokens, dtype)) is not None:
+        if status is not None:
+            raise Cudal2Error("a shape set reports the best kernels; it does not combine with --status")
+        shown = report_shapes(df, named, format)
+        if export:
+            export_rows(board, settings.results, shown)
+        return
+    if status is None:
+        df = best(df, top)
+        columns = keys + SHAPE_COLUMNS[6:] + ["server_us", "speedup_server", "time"]
+    else:
+        df = df[df["status"] == status].sort_values(keys + ["time"]).groupby(keys, dropna=False).head(top)
+        columns = keys + ["kernel", "status", "error", "time"]
+    if export:
+        export_rows(board, settings.results, df)
+    df = df.sort_values(keys)[columns]
+    emit_frame(df, format)
+
+
+def export_rows(board: Leaderboard, results: Path, rows: pd.DataFrame) -> None:
+    """Each best-kernel row as a self-contained .cu file (stderr says where)."""
+    from ..optimize import export_best
+
+    paths = [export_best(board, results, row) for row in rows.to_dict("records") if row.get("source_hash")]
+    typer.echo(f"exported {len(paths)} kernel(s) to {results / 'best'}", err=True)
+
+
+@app.command()
+@cli_errors
+def check(
+    shapes: Annotated[Optional[Path], typer.Option(help="a shape set (CSV m,n,k[,dtype,layout]); default: every "
+                                                         "problem of the leaderboard")] = None,
+    model: ModelOpt = None,
+    tokens: TokensOpt = None,
+    dtype: Annotated[Optional[str], typer.Option(help="a preset's dtype (default bf16)")] = None,
+    fail_under: Annotated[str, typer.Option(help="the lowest speedup that passes")] = "1.0",
+    results: Results = None,
+    json_out: Json = False,
+) -> None:
+    """Measure each shape's best kernel again on this GPU against the baselines (after a
+    driver or CUDA upgrade, in CI); exit 3 when any falls below --fail-under."""
+    try:
+        threshold = float(fail_under)
+    except ValueError:
+        raise Cudal2Error(f"--fail-under takes a number, got {fail_under!r}") from None
+    settings = load_settings({"results": results})
+    outcome = api.check(shape_set(shapes, model, tokens, dtype), fail_under=threshold, settings=settings)
+    if json_out:
+        print(json.dumps({"fail_under": threshold, "passed": outcome.passed, "rows": jsonable(outcome.rows)}, indent=1))
+    else:
+        show_table(["shape", "kernel", "recorded", "measured", "status", "pass"],
+                   [[r["problem"], r["kernel"] or "-", fmt(r["recorded"], 3), fmt(r["measured"], 3), r["status"],
+                     "yes" if r["passed"] else "NO"] for r in outcome.rows])
+        print(f"{sum(r['passed'] for r in outcome.rows)} of {len(outcome.rows)} shapes at or above {threshold:g}x "
+              "the fastest library call")
+    if not outcome.passed:
+        raise typer.Exit(3)
+
+
+@app.command()
+@cli_errors
+def report(
+    out: Annotated[Path, typer.Option(help="the directory to write index.html and the PNG plots into")],
+    shapes: Annotated[Optional[Path], typer.Option(help="a shape set (CSV m,n,k[,dtype,layout]); default: every "
+                                                         "problem of the leaderboard")] = None,
+    model: ModelOpt = None,
+    tokens: TokensOpt = None,
+    dtype: Annotated[Optional[str], typer.Option(help="a preset's dtype (default bf16)")] = None,
+    bench: Annotated[str, typer.Option(help=f"the rows of this bench protocol ({' | '.join(PROTOCOLS)})")] = PROTOCOL,
+    results: Results = None,
+) -> None:
+    """Write a self-contained HTML page with plots: speedup per shape against each baseline,
+    achieved TFLOP/s against the roof, which template wins where, tuning cost."""
+    if bench not in PROTOCOLS:
+        raise Cudal2Error(f"unknown --bench {bench!r}; choose {', '.join(PROTOCOLS)}")
+    settings = load_settings({"results": results})
+    page = api.report(out, shapes=shape_set(shapes, model, tokens, dtype), results=settings.results, bench=bench)
+    print(page)
+
+
+@app.command()
+@cli_errors
+def export(
+    library: Annotated[Path, typer.Option(help="the directory to write the library into (index.json, kernels/)")],
+    gpu: Annotated[Optional[str], typer.Option(help="the GPU whose kernels to export (part of its name)")] = None,
+    shapes: Annotated[Optional[Path], typer.Option(help="only the problems of this shape set")] = None,
+    model: ModelOpt = None,
+    tokens: TokensOpt = None,
+    dtype: Annotated[Optional[str], typer.Option(help="a preset's dtype (default bf16)")] = None,
+    min_speedup: Annotated[float, typer.Option(
+        help="the lowest claimed speedup a kernel is exported at; below it the library call runs")] = 1.0,
+    results: Results = None,
+    json_out: Json = False,
+) -> None:
+    """Build a dispatch library: this GPU's best kernel per tuned problem and a table that
+    picks one per call (the exact problem; else the nearest tuned M where that kernel was
+    verified; else none, and the caller's library call runs). A problem whose best kernel
+    is slower than the library call gets none."""
+    settings = load_settings({"results": results})
+    table = api.export(library, gpu=gpu, shapes=shape_set(shapes, model, tokens, dtype), settings=settings,
+                       min_speedup=min_speedup)
+    if json_out:
+        print(json.dumps({"library": str(library), "versions": table.versions,
+                          "entries": [e.__dict__ for e in table.entries],
+                          "library_call": sorted(table.library_call)}, indent=1, default=str))
+    else:
+        print(f"{len(table.entries)} kernel(s) for {table.versions.get('gpu')} -> {library}"
+              + (f"; {len(table.library_call)} problem(s) left to the library call (no kernel beat it)"
+                 if table.library_call else ""))
+

@@ -1,0 +1,185 @@
+"""cudal2 bench and cudal2 optimize: measure one problem, search for a shape or a shape set."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Annotated, Any, Optional
+
+import typer
+
+from .. import api
+from ..bench import PROTOCOL, PROTOCOLS, STUDY_PROTOCOLS
+from ..config import load_settings
+from ..errors import Cudal2Error
+from ..leaderboard import BASELINES
+from ..problem import DTYPES, Problem
+from ..tables import (console, err_console, fmt, jsonable, optimize_summary, print_bench_table, print_optimize_summary,
+                      progress_display, set_summary)
+from . import (Arch, Dtype, Json, K, Kernels, Layout, M, ModelOpt, N, Params, Results, ShapesOpt, TemplateOpt,
+               TokensOpt, app, cli_errors, parse_params, problems_of, read_kernel_file)
+
+@app.command()
+@cli_errors
+def bench(
+    m: M, n: N, k: K,
+    dtype: Dtype = "fp16",
+    layout: Layout = "nn",
+    mode: Annotated[str, typer.Option(help="offline (warm, back to back) | server (cold L2, idle gaps) | both")] = "offline",
+    kernel: Kernels = None,
+    template: TemplateOpt = None,
+    param: Params = None,
+    budget: Annotated[Optional[float], typer.Option(help="seconds of timing per method and kernel")] = None,
+    qps: Annotated[Optional[float], typer.Option(help="server mode: mean calls per second")] = None,
+    bench_protocol: Annotated[str, typer.Option("--bench", help=(
+        f"how to time: {PROTOCOL} (CUPTI device time and in-graph time against cuBLAS, cuBLASLt autotuned "
+        f"and torch.matmul) | {' | '.join(STUDY_PROTOCOLS)} (earlier protocols, for study: against cuBLAS, "
+        "never ranked with the protocol's rows)"))] = PROTOCOL,
+    top: Annotated[Optional[int], typer.Option(
+        help="without --kernel/--template: only the leaderboard's N fastest kernels of this problem per "
+             "bench protocol (to re-measure them), no template defaults")] = None,
+    results: Results = None,
+    arch: Arch = None,
+    json_out: Json = False,
+) -> None:
+    """Measure kernels against the best library call on one problem, on this GPU.
+
+    Without --kernel or --template: the leaderboard's kernels for this problem (of any bench
+    protocol: this re-measures them) and every template's default configuration. Every
+    kernel is verified first (untrusted code: see the README), then timed with cuBLAS,
+    cuBLASLt autotuned and torch.matmul in the same process, by CUPTI device time and in a
+    CUDA graph, on rotating inputs; the speedup is the lower of the two ratios against the
+    fastest baseline of that run. Measured rows are added to the leaderboard.
+    """
+    if mode not in ("offline", "server", "both"):
+        raise Cudal2Error(f"unknown mode {mode!r}; choose offline, server or both")
+    if bench_protocol not in PROTOCOLS:
+        raise Cudal2Error(f"unknown --bench {bench_protocol!r}; choose {', '.join(PROTOCOLS)}")
+    if top is not None and top < 1:
+        raise Cudal2Error(f"--top must be >= 1, got {top}")
+    problem = Problem.parse(m, n, k, dtype, layout)
+    settings = load_settings({"budget": budget, "qps": qps, "results": results, "arch": arch})
+    grid = parse_params(param)
+    if grid and not template:
+        raise Cudal2Error("--param needs --template")
+    named = [read_kernel_file(p) for p in kernel or []]
+
+    def started(env: dict[str, Any], count: int) -> None:
+        if not json_out:
+            console.print(f"{problem} on {env['gpu']} (sm_{env['cc']}), {mode} mode, {bench_protocol}, {count} kernel(s)")
+
+    result = api.bench(problem, kernels=named, template=template, grid=grid, mode=mode, protocol=bench_protocol,
+                       top=top, settings=settings, on_start=started)
+    env, rows = result.environment, result.rows
+    if json_out:
+        print(json.dumps({"problem": problem.__dict__, "environment": env, "rows": jsonable(rows)}, indent=1))
+    else:
+        print_bench_table(rows, bench_protocol, mode)
+
+
+@app.command()
+@cli_errors
+def optimize(
+    m: Annotated[Optional[str], typer.Option("--m", help="rows of A and C")] = None,
+    n: Annotated[Optional[str], typer.Option("--n", help="columns of B and C")] = None,
+    k: Annotated[Optional[str], typer.Option("--k", help="the reduction dimension")] = None,
+    dtype: Annotated[Optional[str], typer.Option(help=f"element type of A, B and C: {' | '.join(DTYPES)} (default fp16; "
+                                                      "bf16 for a --model preset)")] = None,
+    layout: Layout = "nn",
+    shapes: ShapesOpt = None,
+    model: ModelOpt = None,
+    tokens: TokensOpt = None,
+    proposer: Annotated[str, typer.Option(help="search (cost model + local search) | llm | hybrid")] = "search",
+    iterations: Annotated[int, typer.Option(help="batches to propose")] = 10,
+    batch: Annotated[int, typer.Option(help="candidates per batch")] = 8,
+    time_budget: Annotated[Optional[float], typer.Option(help="wall-clock seconds for each shape")] = None,
+    patience: Annotated[Optional[int], typer.Option(help="stop after this many batches without a better kernel")] = 3,
+    seed: Annotated[int, typer.Option(help="seed of the search proposer")] = 0,
+    llm_model: Annotated[Optional[str], typer.Option(help="LLM model name (llm, hybrid)")] = None,
+    base_url: Annotated[Optional[str], typer.Option(help="OpenAI-compatible endpoint (llm, hybrid)")] = None,
+    replay: Annotated[Optional[Path], typer.Option(
+        help="a directory of saved replies (llm-round-<k>-reply.md, as a run saves them) standing in for the "
+             "endpoint (llm, hybrid)")] = None,
+    mode: Annotated[str, typer.Option(help="offline | server: the mode that decides the best kernel")] = "offline",
+    budget: Annotated[Optional[float], typer.Option(help="seconds of timing per kernel")] = None,
+    remeasure: Annotated[bool, typer.Option(help="measure candidates again even if the leaderboard has them")] = False,
+    template: Annotated[Optional[str], typer.Option(
+        "--template", help="search only this template's configurations (with --param: only that grid)")] = None,
+    param: Params = None,
+    gpus: Annotated[Optional[str], typer.Option(
+        help="all | 0,1,...: one GPU worker per device, the shapes spread over them (same GPU model and driver)")] = None,
+    cluster: Annotated[Optional[str], typer.Option(
+        help="a Dask scheduler (tcp://head:8786) whose workers each own a GPU (--resources GPU=1): one task "
+             "per shape, the rows merged here (search proposer)")] = None,
+    results: Results = None,
+    arch: Arch = None,
+    json_out: Json = False,
+) -> None:
+    """Search for the fastest kernel for one problem or a shape set: propose, compile,
+    verify, bench, record.
+
+    Warm-starts from the leaderboard (each shape of a set from the ones before it too); the
+    rows of every batch are recorded as it ends, so Ctrl-C keeps what was measured and a
+    re-run measures nothing twice. The best kernel of each shape is exported to
+    results/best/<gpu>/<dtype>_<layout>/<m>_<n>_<k>.cu.
+    """
+    if mode not in ("offline", "server"):
+        raise Cudal2Error(f"unknown mode {mode!r}; choose offline or server")
+    if proposer not in ("search", "llm", "hybrid"):
+        raise Cudal2Error(f"unknown proposer {proposer!r}; choose search, llm or hybrid")
+    for name, value in (("iterations", iterations), ("batch", batch)):
+        if value < 1:
+            raise Cudal2Error(f"--{name} must be >= 1, got {value}")
+    problems = problems_of(m, n, k, dtype or "fp16", layout, shapes, model, tokens, dtype is not None)
+    settings = load_settings({"budget": budget, "results": results, "arch": arch})
+    if cluster is not None:
+        if proposer != "search" or gpus or template or param:
+            raise Cudal2Error("--cluster runs the search proposer on every worker's GPU: drop --proposer, --gpus, "
+                              "--template and --param")
+        from ..cluster import optimize_on_cluster
+
+        def done(problem, result) -> None:
+            best = max((r.get("speedup_offline") or 0.0 for r in result["rows"]
+                        if r.get("status") == "ok" and r.get("kernel") not in BASELINES), default=None)
+            err_console.print(f"{problem} on {result.get('host', '?')}: " + (
+                result["error"] if result.get("error") else f"{len(result['rows'])} rows, best {fmt(best, 3)}"))
+
+        finished = optimize_on_cluster(problems, cluster, settings=settings, on_done=done, options={
+            "iterations": iterations, "batch": batch, "time_budget": time_budget, "patience": patience,
+            "seed": seed, "mode": mode, "remeasure": remeasure})
+        failed = [f for f in finished if f.get("error")]
+        print(f"{len(finished) - len(failed)} of {len(problems)} shapes tuned on the cluster; rows in {settings.results}"
+              f"; `cudal2 leaderboard --shapes` reports them")
+        if failed:
+            raise typer.Exit(1)
+        return
+    llm_settings = None
+    if proposer != "search":
+        from ..llm import load_llm_settings
+
+        llm_settings = load_llm_settings({"model": llm_model, "base_url": base_url})
+    with progress_display(json_out, len(problems) * iterations * batch) as on_event:
+        tuned = api.optimize(problems, proposer=proposer, iterations=iterations, batch=batch, time_budget=time_budget,
+                             patience=patience, seed=seed, llm_settings=llm_settings, replay=replay,
+                             template=template, grid=parse_params(param), mode=mode, remeasure=remeasure,
+                             settings=settings, gpus=api.gpu_indices(gpus), on_event=on_event)
+    outcomes = [t.outcome for t in tuned]
+    env, run_id = tuned[0].environment, tuned[0].run_id
+    summaries = [{**optimize_summary(p, env, o, run_id), "llm_tokens_run": tuned[0].llm_tokens}
+                 for p, o in zip(problems, outcomes)]
+    if not json_out:
+        for problem, outcome in zip(problems, outcomes):
+            if len(problems) > 1:
+                print(f"{problem}:")
+            print_optimize_summary(outcome, mode)
+        if tuned[0].llm_tokens is not None:
+            print(f"LLM tokens this run: {tuned[0].llm_tokens}")
+    if json_out:
+        print(json.dumps(summaries[0] if shapes is None and model is None else
+                         {"shapes": summaries, "summary": set_summary(summaries, mode)}, indent=1, default=str))
+    elif len(summaries) > 1:
+        total = set_summary(summaries, mode)
+        print(f"{total['tuned']} of {total['shapes']} shapes with a verified kernel; speedup over the fastest library "
+              f"call: geometric mean {fmt(total['geomean_speedup'], 3)}, minimum {fmt(total['min_speedup'], 3)}; "
+              f"wall {total['wall_s']:.1f} s")
+
