@@ -1,4 +1,5 @@
-"""Bench: how contestants are timed, as round logic that needs no GPU of its own.
+"""Bench: how contestants are timed, as round logic that needs no GPU of its own, and the
+earlier protocols' jobs (study_job), kept for study.
 
 The protocol (`PROTOCOL`, what the leaderboard's `bench` column records) times every
 contestant, candidate and baselines alike, in one process by two independent methods:
@@ -44,7 +45,8 @@ import random
 import statistics
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from typing import Any
+from dataclasses import asdict, dataclass
 
 # The protocol of this version, and the earlier offline protocols (for study only).
 PROTOCOL = "cupti-graph-3"
@@ -273,3 +275,48 @@ def bench_fenced(
         fence_us = statistics.median(fence_samples) if fence_samples else device_us[FENCE]
         samples = {name: [v - fence_us for v in values] for name, values in samples.items()}
     return {name: summarize(values) for name, values in samples.items() if values}
+
+
+def study_job(job: dict[str, Any], environment: dict[str, Any], stream, rng, kernel) -> dict[str, Any]:
+    """The earlier offline protocols (fenced, back-to-back), for study: the kernel (if any),
+    cuBLAS and torch.matmul timed by CUDA events around batches, as they were measured."""
+    import cupy
+
+    from .baselines import cublas_gemm, torch_gemm
+    from .problem import Problem
+    from .verify import Numerics, Operands, Rejected, compare, poison_output
+
+    problem = Problem(**job["problem"])
+    settings = job["settings"]
+    num = Numerics(problem.dtype)
+    ops = Operands(problem, kernel.workspace_bytes(problem.m, problem.n, problem.k) if kernel else 0, num)
+    ops.fill("normal", rng)
+    ref = ops.reference()
+    runners = {"cuBLAS": cublas_gemm(problem, stream), "torch.matmul": torch_gemm(problem, stream)}
+    outs = {name: cupy.empty_like(ops.c) for name, run in runners.items() if run is not None}
+    launches = {name: (lambda run=runners[name], out=out: run(ops.a, ops.b, out)) for name, out in outs.items()}
+    if kernel is not None:
+        launches = {"kernel": lambda: ops.call(kernel, stream), **launches}
+        outs["kernel"] = ops.c
+    errors = {}
+    for name, launch in launches.items():
+        launch()
+        errors[name] = compare(outs[name], ref, num)[:2]
+    l2 = cupy.empty(2 * environment["l2_bytes"], dtype=cupy.uint8)
+
+    def after(name: str) -> None:
+        if compare(outs[name], ref, num)[2]:
+            raise Rejected("cheat" if name == "kernel" else "wrong", f"output of timed calls of {name} differs")
+
+    timings = {}
+    modes = ["offline", "server"] if settings.get("mode") == "both" else [settings.get("mode", "offline")]
+    try:
+        for mode in modes:
+            timings[mode] = {name: asdict(t) for name, t in bench_fenced(
+                launches, stream=stream, mode=mode, budget_s=settings.get("budget_s", 1.0),
+                qps=settings.get("qps", 200.0), flush=lambda: l2.fill(0),
+                before=lambda name: poison_output(outs[name]), after=after, seed=rng.getrandbits(32),
+                fenced=settings["protocol"] == "fenced").items()}
+    except Rejected as r:
+        return {"status": r.status, "error": str(r)}
+    return {"errors": {k: v for k, v in errors.items() if k != "kernel"}, "timings": timings}

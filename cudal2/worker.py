@@ -12,10 +12,9 @@ import os
 import random
 import time
 import traceback
-from dataclasses import asdict
 from typing import Any
 
-from .bench import STUDY_PROTOCOLS
+from .bench import STUDY_PROTOCOLS, study_job
 from .errors import Cudal2Error
 from .problem import Problem
 from .verify import UNIT_ROUNDOFF, poison_output
@@ -301,7 +300,7 @@ def _kernel_job(job: dict[str, Any], environment: dict[str, Any], timer) -> dict
             if verdict.status != "ok":
                 return result
             if job["settings"].get("protocol") in STUDY_PROTOCOLS:
-                return {**result, **_study_job(job, environment, stream, rng, kernel)}
+                return {**result, **study_job(job, environment, stream, rng, kernel)}
         run, record = _baselines(problem, job, stream, rng)
         workspace = cupy.empty(max(1, kernel.workspace_bytes(problem.m, problem.n, problem.k)), cupy.uint8)
         run = {"kernel": _abi_call(kernel, workspace, problem, stream, "kernel"), **run}
@@ -384,7 +383,7 @@ def _baselines_job(job: dict[str, Any], environment: dict[str, Any], timer) -> d
     num = Numerics(problem.dtype)
     with stream:
         if job["settings"].get("protocol") in STUDY_PROTOCOLS:
-            return {"status": "ok", **_study_job(job, environment, stream, rng, None)}
+            return {"status": "ok", **study_job(job, environment, stream, rng, None)}
         run, record = _baselines(problem, job, stream, rng)
         errors = {}
         if job.get("phase") != "cupti":
@@ -400,48 +399,3 @@ def _baselines_job(job: dict[str, Any], environment: dict[str, Any], timer) -> d
         session = _open("baselines", job, run, problem, stream=stream, timer=timer, environment=environment,
                         rng=rng, tolerance=tolerance)
     return {"status": "ok", "errors": errors, "cublaslt": record, "typical_us": session.typical_us}
-
-
-def _study_job(job, environment, stream, rng, kernel) -> dict[str, Any]:
-    """The earlier offline protocols (fenced, back-to-back), for study: the kernel (if any),
-    cuBLAS and torch.matmul timed by CUDA events around batches, as they were measured."""
-    import cupy
-
-    from .baselines import cublas_gemm, torch_gemm
-    from .bench import bench_fenced
-    from .verify import Numerics, Operands, Rejected, compare
-
-    problem = Problem(**job["problem"])
-    settings = job["settings"]
-    num = Numerics(problem.dtype)
-    ops = Operands(problem, kernel.workspace_bytes(problem.m, problem.n, problem.k) if kernel else 0, num)
-    ops.fill("normal", rng)
-    ref = ops.reference()
-    runners = {"cuBLAS": cublas_gemm(problem, stream), "torch.matmul": torch_gemm(problem, stream)}
-    outs = {name: cupy.empty_like(ops.c) for name, run in runners.items() if run is not None}
-    launches = {name: (lambda run=runners[name], out=out: run(ops.a, ops.b, out)) for name, out in outs.items()}
-    if kernel is not None:
-        launches = {"kernel": lambda: ops.call(kernel, stream), **launches}
-        outs["kernel"] = ops.c
-    errors = {}
-    for name, launch in launches.items():
-        launch()
-        errors[name] = compare(outs[name], ref, num)[:2]
-    l2 = cupy.empty(2 * environment["l2_bytes"], dtype=cupy.uint8)
-
-    def after(name: str) -> None:
-        if compare(outs[name], ref, num)[2]:
-            raise Rejected("cheat" if name == "kernel" else "wrong", f"output of timed calls of {name} differs")
-
-    timings = {}
-    modes = ["offline", "server"] if settings.get("mode") == "both" else [settings.get("mode", "offline")]
-    try:
-        for mode in modes:
-            timings[mode] = {name: asdict(t) for name, t in bench_fenced(
-                launches, stream=stream, mode=mode, budget_s=settings.get("budget_s", 1.0),
-                qps=settings.get("qps", 200.0), flush=lambda: l2.fill(0),
-                before=lambda name: poison_output(outs[name]), after=after, seed=rng.getrandbits(32),
-                fenced=settings["protocol"] == "fenced").items()}
-    except Rejected as r:
-        return {"status": r.status, "error": str(r)}
-    return {"errors": {k: v for k, v in errors.items() if k != "kernel"}, "timings": timings}
