@@ -49,16 +49,13 @@ def round_facts(problem: Problem, history: list[dict[str, Any]], n: int, *, cc: 
     """What round.md.j2 shows (see round_prompt)."""
     baselines = [us for row in history if (us := _number(row.get("baseline_offline_us")))]
     baseline_us = statistics.median(baselines) if baselines else None
-    measured = sorted(
-        (row for row in history
-         if row.get("status") == "ok" and row.get("kernel") not in BASELINES
-         and _number(row.get("speedup_offline")) is not None),
-        key=lambda row: -row["speedup_offline"],
-    )
-    ranked: dict[str, dict[str, str]] = {}
-    for row in measured:  # fastest first; a kernel measured again keeps its best row
-        ranked.setdefault(_kernel(row), _measured(row))
-    ranked_rows = list(ranked.values())
+    latest: dict[str, dict[str, Any]] = {}  # a kernel measured again counts by its latest row, as ranked
+    for row in history:  # in the order measured
+        if (row.get("status") == "ok" and row.get("kernel") not in BASELINES
+                and _number(row.get("speedup_offline")) is not None):
+            latest[_kernel(row)] = row
+    measured = sorted(latest.values(), key=lambda row: -row["speedup_offline"])
+    ranked_rows = [_measured(row) for row in measured]
     nearest = [] if len(ranked_rows) >= WARM_START else [
         {**_measured(row), "problem": f"{row['m']}x{row['n']}x{row['k']} {row['dtype']} {row['layout']}"}
         for row in nearest_winners(problem, prior)[:WARM_START]]

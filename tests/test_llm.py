@@ -175,16 +175,18 @@ def test_prompt_shows_the_best_eight_and_the_four_near_misses_with_their_noise(e
              "kernel_us": 13000.0 / i, "graph_us": 14000.0 / i} for i in range(1, 16)]
     for i, row in enumerate(rows, 1):
         row["kernel"] = f"kernel-{i}"
-    rows.append({**rows[-1], "speedup_offline": 0.001})  # a slower re-measurement of the best
+    rows.append({**rows[-1], "speedup_offline": 0.135})  # the best, measured again: slower
     endpoint.reply("nothing")
     make_proposer(endpoint, tmp_path).propose(PROBLEM, rows, 1)
     prompt = endpoint.prompt()
     shown = [i for i in range(1, 16) if f"free-form source kernel-{i} |" in prompt]
     assert shown == list(range(4, 16))  # the 8 fastest, then the 4 next: near misses, not pathologies
     assert prompt.index("kernel-8 |") < prompt.index("# Near misses") < prompt.index("kernel-7 |")
-    assert "0.001x" not in prompt
+    # a kernel measured again shows its latest measurement, ranked by it, as the leaderboard does
+    assert "0.150x" not in prompt and "0.135x" in prompt
+    assert prompt.index("kernel-14 |") < prompt.index("kernel-15 |") < prompt.index("kernel-13 |")
     # the claimed median with its spread, and both methods' times
-    assert "| 0.150x | 933.33 | 926.67-940.00 | 866.67 / 933.33 |" in prompt
+    assert "| 0.140x | 1000.00 | 992.86-1007.14 | 928.57 / 1000.00 |" in prompt
 
 
 def test_a_new_problem_starts_from_the_nearest_problems_measured_on_this_gpu(endpoint, tmp_path):
