@@ -29,6 +29,7 @@ from .leaderboard import BASELINES, Leaderboard, best, priors, select, shipped
 from .optimize import Budget, Event, Outcome, optimize_shapes
 from .pipeline import Context, evaluate, measure_baselines, new_run_id
 from .problem import Problem
+from .runtime import MIN_SPEEDUP
 from .worker import Worker
 
 
@@ -292,12 +293,12 @@ def report(out: Path, *, shapes: list[Problem] | None = None, results: Path | No
 
 
 def export(library: Path, *, gpu: str | None = None, shapes: list[Problem] | None = None,
-           settings: Settings | None = None, min_speedup: float | None = None):
+           settings: Settings | None = None, min_speedup: float = MIN_SPEEDUP):
     """Builds the dispatch library (cudal2/runtime.py) of the best kernel per problem of
     this protocol (of `shapes` if given) on one GPU (`gpu`: part of its name) into
-    `library`; a problem whose best claim is below `min_speedup` (default: 1.0, the
-    library call's own speed) is left to the library call. Returns its DispatchTable."""
-    from .runtime import MIN_SPEEDUP, export_library
+    `library`; a problem whose best claim is below `min_speedup` (default: the library
+    call's own speed) is left to the library call. Returns its DispatchTable."""
+    from .runtime import export_library
 
     settings = settings or load_settings()
     board = Leaderboard(settings.results)
@@ -314,8 +315,7 @@ def export(library: Path, *, gpu: str | None = None, shapes: list[Problem] | Non
     if not arches:
         raise Cudal2Error("no verified kernel to export" + (f" for GPU {gpu!r}" if gpu else ""))
     compiler = Compiler(settings.arch or arches[0], settings.cache_dir, settings.jobs, settings.timeout)
-    return export_library(board, rows, compiler, Path(library),
-                          MIN_SPEEDUP if min_speedup is None else min_speedup)
+    return export_library(board, rows, compiler, Path(library), min_speedup)
 
 
 def leaderboard(*, results: Path | None = None, bench: str = PROTOCOL, shapes: list[Problem] | None = None,

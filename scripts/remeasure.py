@@ -51,9 +51,11 @@ from cudal2.config import load_settings  # noqa: E402
 from cudal2.leaderboard import Leaderboard, best, select  # noqa: E402
 from cudal2.problem import Problem  # noqa: E402
 from cudal2.shapes import read_shapes  # noqa: E402
+# The protocol's thresholds, so that both sides time a call in the same state: rounds
+# alternated from INTERLEAVE_US, a soak first from SOAK_US.
+from cudal2.worker import INTERLEAVE_US, SOAK_S, SOAK_US  # noqa: E402
 
-SETS, GRAPH_CALLS, ROUNDS, ALTERNATE_US = 3, 20, 10, 20.0
-SOAK_US, SOAK_S = 100.0, 1.5  # as cudal2's protocol: long calls timed at the GPU's steady state
+SETS, GRAPH_CALLS, ROUNDS = 3, 20, 10
 TAG = "cudal2-remeasure:"
 
 
@@ -300,7 +302,7 @@ def measure(graph: Child, profiler: Child, job: dict, typical_us: float, profile
     profiler.ask("open", {**job, "lt_index": rec["lt_index"], "calls": profiler_calls})
     if typical_us >= SOAK_US:
         graph.ask("soak", SOAK_S)
-    if typical_us >= ALTERNATE_US:
+    if typical_us >= INTERLEAVE_US:
         for r in range(ROUNDS):
             graph.ask("round", r)
             profiler.ask("round", r)

@@ -14,6 +14,7 @@ from ..bench import PROTOCOL, PROTOCOLS, STUDY_PROTOCOLS
 from ..config import load_settings
 from ..errors import Cudal2Error
 from ..leaderboard import STATUSES, Leaderboard, best, select
+from ..runtime import MIN_SPEEDUP
 from ..shapes import shape_set
 from ..tables import SHAPE_COLUMNS, emit_frame, fmt, jsonable, report_shapes, show_table
 from . import Json, ModelOpt, Results, TokensOpt, app, cli_errors
@@ -161,7 +162,7 @@ def export(
     tokens: TokensOpt = None,
     dtype: Annotated[Optional[str], typer.Option(help="a preset's dtype (default bf16)")] = None,
     min_speedup: Annotated[float, typer.Option(
-        help="the lowest claimed speedup a kernel is exported at; below it the library call runs")] = 1.0,
+        help="the lowest claimed speedup a kernel is exported at; below it the library call runs")] = MIN_SPEEDUP,
     results: Results = None,
     json_out: Json = False,
 ) -> None:
