@@ -38,6 +38,20 @@ def _nvidia_smi(device: int) -> dict[str, str]:
     return dict(zip(fields.split(","), values)) if len(values) == 3 else {}
 
 
+def gpu_temperature(device: int = 0) -> int | None:
+    """The GPU's core temperature in degrees C (nvidia-smi), or None where it does not answer.
+    At the power cap the SM clock a long call runs at depends on it (docs/method.md)."""
+    smi = shutil.which("nvidia-smi")
+    if smi is None:
+        return None
+    try:
+        out = subprocess.run([smi, f"--id={device}", "--query-gpu=temperature.gpu", "--format=csv,noheader,nounits"],
+                             capture_output=True, text=True, timeout=20).stdout.strip()
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    return _int(out)
+
+
 def _int(text: str | None) -> int | None:
     try:
         return int(float(text)) if text else None

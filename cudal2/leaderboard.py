@@ -62,6 +62,7 @@ SCHEMA = pa.schema([
     ("baseline", _S), ("baseline_offline_us", _F), ("baseline_server_us", _F),
     ("cublaslt_algo", _S),  # the autotuned cuBLASLt algorithm (JSON: index, of, id, tile, ...)
     ("device", _I),  # the GPU's index on its host (rows of a multi-GPU run)
+    ("temperature_c", _I),  # the GPU's temperature when a soaked (long) call's timed rounds began
 ])
 COLUMNS = SCHEMA.names
 # Parts written before the protocol column existed were timed back to back.

@@ -130,7 +130,7 @@ def measure_baselines(ctx: Context) -> list[dict[str, Any]]:
     rows = []
     for name, (err, tol) in result.get("errors", {}).items():
         row = {**ctx.base_row(), "kernel": name, "status": "ok", "max_error": err, "tolerance": tol,
-               "cublaslt_algo": algo_json(result.get("cublaslt")),
+               "cublaslt_algo": algo_json(result.get("cublaslt")), "temperature_c": result.get("temperature_c"),
                **timing_columns(result["timings"], name, ctx.problem.flops)}
         if err > tol:
             row.update(status="wrong", error=f"max error {err:.3g} exceeds tolerance {tol:.3g}")
@@ -188,7 +188,7 @@ def measure_row(ctx: Context, item: Built) -> dict[str, Any]:
         result = ctx.worker.request(ctx.job("kernel", library=str(item.build.library)), ctx.settings.timeout)
         row.update(status=result["status"], error=result.get("error") or None,
                    max_error=result.get("max_error"), tolerance=result.get("tolerance"),
-                   cublaslt_algo=algo_json(result.get("cublaslt")),
+                   cublaslt_algo=algo_json(result.get("cublaslt")), temperature_c=result.get("temperature_c"),
                    **timing_columns(result.get("timings", {}), "kernel", ctx.problem.flops))
     return row
 

@@ -15,6 +15,7 @@ import traceback
 from typing import Any
 
 from .bench import STUDY_PROTOCOLS, study_job
+from .environment import gpu_temperature
 from .errors import Cudal2Error
 from .problem import Problem
 from .verify import UNIT_ROUNDOFF, poison_output
@@ -77,9 +78,11 @@ class Worker:
         budget = job["settings"].get("budget_s", 1.0)
         typical = first.get("typical_us") or INTERLEAVE_US
         short = typical < INTERLEAVE_US
-        if typical >= SOAK_US and (answer := self._graph.request({"op": "soak", "seconds": SOAK_S}, timeout)
-                                   ).get("status") != "ok":
-            return {**first, **answer, "timings": {}}
+        temperature = None
+        if typical >= SOAK_US:
+            if (answer := self._graph.request({"op": "soak", "seconds": SOAK_S}, timeout)).get("status") != "ok":
+                return {**first, **answer, "timings": {}}
+            temperature = gpu_temperature(self.device)  # what the clock at the power cap depends on
         for turn in ([(c,) for c in children] if short else [children]):
             deadline = time.perf_counter() + budget * (2 if len(turn) == 2 else 1)
             rounds = 0
@@ -93,7 +96,7 @@ class Worker:
             if (answer := child.request({"op": "finish"}, timeout)).get("status") != "ok":
                 return {**first, **answer, "timings": {}}
             timings.update(answer["timings"])
-        return {**first, "timings": timings}
+        return {**first, "timings": timings, "temperature_c": temperature}
 
     def close(self) -> None:
         self._graph.close()

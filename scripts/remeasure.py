@@ -20,7 +20,9 @@ ROUNDS rounds of each; the median. For calls of 20 us or more the two children's
 alternate, so that the clock (long GEMMs run the GPU at its power cap, and it falls over
 seconds) is the same for both methods; shorter calls run each child's rounds in one block.
 Calls of 100 us or more are timed after 1.5 s of untimed replays, at the clock a GPU busy
-with them settles at, as cudal2's protocol times them.
+with them settles at, as cudal2's protocol times them, and first with the GPU brought within
+2 C of the temperature the protocol's row records (idle to cool, replays to heat): at the
+power cap the clock depends on it.
 
 Against torch.matmul (F.linear for nt) and cuBLASLt autotuned here (the heuristic's top 32
 algorithms of cudal2's shim, all timed together by the graph method, the fastest kept). Prints a
@@ -41,6 +43,8 @@ import time
 import traceback
 from pathlib import Path
 
+import pandas as pd
+
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
@@ -48,6 +52,7 @@ from cudal2.baselines import build_baselines  # noqa: E402
 from cudal2.bench import PROTOCOL  # noqa: E402
 from cudal2.compile import Compiler  # noqa: E402
 from cudal2.config import load_settings  # noqa: E402
+from cudal2.environment import gpu_temperature  # noqa: E402
 from cudal2.leaderboard import Leaderboard, best, select  # noqa: E402
 from cudal2.problem import Problem  # noqa: E402
 from cudal2.shapes import read_shapes  # noqa: E402
@@ -56,6 +61,7 @@ from cudal2.shapes import read_shapes  # noqa: E402
 from cudal2.worker import INTERLEAVE_US, SOAK_S, SOAK_US  # noqa: E402
 
 SETS, GRAPH_CALLS, ROUNDS = 3, 20, 10
+SETTLE_C, COOL_S, HEAT_S = 2, 120.0, 30.0  # a long row is timed within 2 C of the protocol's
 TAG = "cudal2-remeasure:"
 
 
@@ -293,15 +299,38 @@ class Child:
         self.process.join(timeout=30)
 
 
-def measure(graph: Child, profiler: Child, job: dict, typical_us: float, profiler_calls: int) -> dict:
+def settle(graph: Child, target_c: int) -> int | None:
+    """Brings the GPU within SETTLE_C of the temperature the protocol's rounds began at:
+    idle while it is hotter (up to COOL_S), the row's graphs replayed while it is cooler (up
+    to HEAT_S). At the power cap the clock falls as the GPU heats, by 10-19% between 50 and
+    62 C on an H200, so a check whose rows run back to back reads every long call slower
+    than a tuning run does. Returns the temperature reached."""
+    start = time.perf_counter()
+    while (now := gpu_temperature()) is not None:
+        spent = time.perf_counter() - start
+        if now > target_c + SETTLE_C and spent < COOL_S:
+            time.sleep(1.0)
+        elif now < target_c - SETTLE_C and spent < HEAT_S:
+            graph.ask("soak", 1.0)
+        else:
+            break
+    return now
+
+
+def measure(graph: Child, profiler: Child, job: dict, typical_us: float, profiler_calls: int,
+            target_c: int | None = None) -> dict:
     """Both methods' medians for one row: the graph child opens first (it autotunes
-    cuBLASLt), then the profiler child with the same algorithm; the graphs replayed for
-    SOAK_S first for long calls; rounds alternate for long calls, run in one block per
-    child for short ones."""
+    cuBLASLt), then the profiler child with the same algorithm; for long calls the GPU
+    settled at the protocol's temperature (`target_c`, when the row has one) and the graphs
+    replayed for SOAK_S; rounds alternate for long calls, run in one block per child for
+    short ones."""
     rec = {**graph.ask("open", job)}
     profiler.ask("open", {**job, "lt_index": rec["lt_index"], "calls": profiler_calls})
     if typical_us >= SOAK_US:
+        if target_c is not None:
+            settle(graph, target_c)
         graph.ask("soak", SOAK_S)
+        rec["temperature_c"] = gpu_temperature()
     if typical_us >= INTERLEAVE_US:
         for r in range(ROUNDS):
             graph.ask("round", r)
@@ -353,9 +382,12 @@ def main() -> None:
         profiler_calls = max(1, round((args.calls if claim["kernel_us"] < 1000 else 10) / ROUNDS))
         job = {"problem": {"m": p.m, "n": p.n, "k": p.k, "dtype": p.dtype, "layout": p.layout},
                "kernel": str(library), "cublaslt": str(shim), "calls": calls}
+        target = claim.get("temperature_c")
+        target = None if target is None or pd.isna(target) else int(target)
         rec = {"shape": str(p), "kernel_name": claim["kernel"], "claimed": float(claim["speedup_offline"]),
                "claimed_kernel_us": float(claim["kernel_us"]), "claimed_graph_us": float(claim["graph_us"]),
-               **measure(graph, profiler, job, float(claim["kernel_us"]), profiler_calls)}
+               "claimed_temperature_c": target,
+               **measure(graph, profiler, job, float(claim["kernel_us"]), profiler_calls, target)}
         rec["speedup"] = min(min(rec[f"torch_{m}_us"], rec[f"cublaslt_{m}_us"]) / rec[f"kernel_{m}_us"]
                              for m in ("profiler", "graph"))
         records.append(rec)
@@ -364,13 +396,14 @@ def main() -> None:
     profiler.close()
 
     print("| shape | kernel us (profiler / graph) | torch.matmul | cuBLASLt autotuned | speedup here | "
-          "leaderboard | kernel us there (CUPTI / graph) | agree |")
-    print("|---|---|---|---|---|---|---|---|")
+          "leaderboard | kernel us there (CUPTI / graph) | C here / there | agree |")
+    print("|---|---|---|---|---|---|---|---|---|")
     for r in records:
         print(f"| {r['shape']} | {r['kernel_profiler_us']:.2f} / {r['kernel_graph_us']:.2f} | "
               f"{r['torch_profiler_us']:.2f} / {r['torch_graph_us']:.2f} | "
               f"{r['cublaslt_profiler_us']:.2f} / {r['cublaslt_graph_us']:.2f} | {r['speedup']:.3f} | "
               f"{r['claimed']:.3f} | {r['claimed_kernel_us']:.2f} / {r['claimed_graph_us']:.2f} | "
+              f"{r.get('temperature_c') or '-'} / {r.get('claimed_temperature_c') or '-'} | "
               f"{'yes' if agrees(r) else 'no'} |")
     if records:
         geo = lambda key: math.exp(sum(math.log(r[key]) for r in records) / len(records))

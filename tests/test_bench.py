@@ -230,8 +230,10 @@ def session_answers(opened, timings, failing_round=None):
     return answer
 
 
-def test_a_job_opens_both_processes_then_alternates_their_rounds_and_merges_the_timings():
+def test_a_job_opens_both_processes_then_alternates_their_rounds_and_merges_the_timings(monkeypatch):
     from cudal2.worker import MIN_ROUNDS, SOAK_S, SOAK_US
+
+    monkeypatch.setattr("cudal2.worker.gpu_temperature", lambda device: 57)
 
     record = {"index": 3, "of": 8}
     worker, log = two_phase_worker(
@@ -252,6 +254,8 @@ def test_a_job_opens_both_processes_then_alternates_their_rounds_and_merges_the_
     # then the rounds alternate (drift falls on both methods alike), then each finishes
     assert ops[3:-2] == [("graph", "round"), ("cupti", "round")] * MIN_ROUNDS
     assert ops[-2:] == [("graph", "finish"), ("cupti", "finish")]
+    # the temperature its timed rounds began at is recorded (the check times it at the same)
+    assert result["temperature_c"] == 57
 
 
 def test_calls_between_the_two_thresholds_alternate_without_a_soak():
@@ -260,7 +264,7 @@ def test_calls_between_the_two_thresholds_alternate_without_a_soak():
     worker, log = two_phase_worker(
         session_answers({"status": "ok", "typical_us": (INTERLEAVE_US + SOAK_US) / 2}, {"graph": {"kernel": 1}}),
         session_answers({"status": "ok"}, {"kernel": {"kernel": 2}}))
-    worker.request(job(), 10)
+    assert worker.request(job(), 10)["temperature_c"] is None  # not soaked: not read
     ops = [(name, op) for name, op, _ in log]
     assert ops[2:-2] == [("graph", "round"), ("cupti", "round")] * MIN_ROUNDS
 

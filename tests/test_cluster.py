@@ -16,6 +16,8 @@ from cudal2.errors import Cudal2Error  # noqa: E402
 from cudal2.leaderboard import Leaderboard, source_hash  # noqa: E402
 from cudal2.problem import Problem  # noqa: E402
 
+from conftest import gpu_count  # noqa: E402
+
 H200 = {"gpu": "NVIDIA H200", "driver": "580.159.04", "max_sm_clock_mhz": 1980, "host": "node"}
 
 
@@ -100,6 +102,7 @@ def test_a_cluster_without_gpu_workers_is_refused(tmp_path):
                                 task=stand_in_task, facts=facts)
 
 
+@pytest.mark.skipif(gpu_count() > 0, reason="this machine has a GPU: its workers can see it")
 def test_the_cli_refuses_a_cluster_whose_workers_cannot_see_a_gpu(client, tmp_path):
     from typer.testing import CliRunner
 
