@@ -8,24 +8,9 @@
 #   scripts/gpu_session.sh protocol-probe -> scripts/protocol_probe.py on dev rows ROWS (0-based, 0,1,2,3,4,5;
 #     PROBE_ARGS="--graphs" for the graph method behind every neighbour, or "--leads 2,8")
 #   scripts/gpu_session.sh winners -> examples/llama_mlp.py at TOKENS (1,16,128): tuned, exported, run through the op
-#   scripts/gpu_session.sh sweep   -> a grid of sm80_mma configurations at 4096^3
-#   scripts/gpu_session.sh sweep-occupancy -> 128x128 tiles at two blocks per SM
 #   scripts/gpu_session.sh ceiling -> what mma.sync can reach here: benchmarks/mma_sync_peak.cu, then
 #     CUTLASS 2.x's Ampere GEMM (examples/cutlass2_sm80_gemm_fp16_nn.cu, four tilings) beside
 #     the sm80_mma sweep grid at 4096^3, in one bench run
-#   scripts/gpu_session.sh precompile -> compile scripts/sm90_grids.txt for sm_90a (no GPU needed)
-#   scripts/gpu_session.sh sweep90 -> those grids at 4096^3 and 8192^3 fp16 nn, 4096^3 bf16 nt
-#   scripts/gpu_session.sh sweep90-4096 -> those grids at 4096^3 fp16 nn only
-#   scripts/gpu_session.sh sweep90-raster -> lines 3- of sm90_grids.txt (raster order, swizzle,
-#     stream-K) at 4096^3 and 8192^3 fp16 nn
-#   scripts/gpu_session.sh small   -> sm80_mma small tiles and split-K on small and skinny shapes
-#   scripts/gpu_session.sh devset-grids -> scripts/devset_grids.txt (or GRIDS=FILE; BUDGET=seconds per kernel, 0.2): dev-set
-#     rows over fixed grids (log: <grids file name>.jsonl; precompile with
-#     scripts/precompile_grids.py FILE first)
-#   scripts/gpu_session.sh search-vs-exhaustive -> scripts/search_target.txt: per problem, the
-#     grid searched by `cudal2 optimize --template --param` from an empty compile cache, then
-#     measured whole, then searched again with the cache warm (one JSON line per call;
-#     SEARCH_ROWS='1p' picks lines as a sed -n script)
 #   scripts/gpu_session.sh devset-optimize -> cudal2 optimize (search) on every row of DEVSET
 #     (DEVSET_ROWS='1,8p;19p' picks data rows as a sed -n script; OPTIMIZE="..." sets its options)
 # Logs, JSON and a tarball of the results directory go to ${OUT:-gpu-run}/.
@@ -35,12 +20,8 @@ mkdir -p "$out"
 export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 results=${RESULTS:-gpu-results}  # merged into results/ by hand after review
 cudal2() { python3 -m cudal2 "$@"; }
-# One line of scripts/sm90_grids.txt as --param arguments.
-grids() { grep -v '^#' scripts/sm90_grids.txt | grep -v '^ *$'; }
-params() { for p in $1; do printf -- '--param %s ' "$p"; done; }
 # A command's --json document as one line (a JSON-lines log).
 oneline() { python3 -c "import json,sys; print(json.dumps(json.load(sys.stdin)))"; }
-sm90_shapes=("4096 4096 4096 fp16 nn" "8192 8192 8192 fp16 nn" "4096 4096 4096 bf16 nt")
 
 for stage in "$@"; do
   case "$stage" in
@@ -73,24 +54,6 @@ for stage in "$@"; do
     winners)  # use the winners on this GPU: examples/llama_mlp.py (tune, export, the op eager and in a graph)
       python3 examples/llama_mlp.py --tokens "${TOKENS:-1,16,128}" --iterations "${ITERATIONS:-1}" --results "$results" \
         --library "$out/llama-mlp-library" 2>&1 | tee "$out/llama-mlp.md" ;;
-    devset-grids)  # m n k dtype layout template grid...; one JSON document per line
-      grep -v '^#' "${GRIDS:-scripts/devset_grids.txt}" | while read -r m n k dtype layout template grid; do
-        cudal2 bench --m "$m" --n "$n" --k "$k" --dtype "$dtype" --layout "$layout" --budget "${BUDGET:-0.2}" \
-          --results "$results" --template "$template" $(params "$grid") --json \
-          | oneline
-      done 2>&1 | tee "$out/$(basename "${GRIDS:-devset_grids.txt}" .txt).jsonl" ;;
-    search-vs-exhaustive)
-      grep -v '^#' scripts/search_target.txt | sed -n "${SEARCH_ROWS:-p}" \
-        | while read -r m n k dtype layout template grid; do
-        shape=(--m "$m" --n "$n" --k "$k" --dtype "$dtype" --layout "$layout" --template "$template" $(params "$grid"))
-        search=(--budget 0.2 --iterations 50 --batch 8 --patience 3 --time-budget 120 --json)
-        # From an empty compile cache (one of its own per problem): wall, GPU and nvcc seconds.
-        # Each search starts from an empty leaderboard of its own (no warm start from the others).
-        CUDAL2_CACHE_DIR=$(mktemp -d) cudal2 optimize "${shape[@]}" "${search[@]}" \
-          --results "$results/cold-${m}x${n}x${k}" | oneline
-        cudal2 bench "${shape[@]}" --budget 0.2 --results "$results/exhaustive" --json | oneline
-        cudal2 optimize "${shape[@]}" "${search[@]}" --results "$results/search-${m}x${n}x${k}" | oneline
-      done 2>&1 | tee "$out/search-vs-exhaustive.jsonl" ;;
     devset-optimize)  # the search proposer on every row (warm-started from the leaderboard)
       tail -n +2 "${DEVSET:-../shared/shapes/dev.csv}" | sed -n "${DEVSET_ROWS:-p}" \
         | while IFS=, read -r m n k dtype layout group; do
@@ -114,45 +77,6 @@ for stage in "$@"; do
         --param warps_m=2,4 --param warps_n=2,4 --param stages=3,4 --param epilogue=direct,smem \
         --param group_m=8,16 --json \
         > "$out/ceiling-4096.json" 2> "$out/ceiling-4096.err"; tail -3 "$out/ceiling-4096.err" ;;
-    sweep-occupancy)
-      cudal2 bench --m 4096 --n 4096 --k 4096 --results "$results" --budget 0.3 --template sm80_mma \
-        --param block_m=128 --param block_n=128 --param block_k=32,64 --param warps_m=2,4 --param warps_n=2,4 \
-        --param stages=3,4 --param min_blocks=2 2>&1 | tee "$out/sweep-occupancy-4096.txt" ;;
-    sweep)
-      cudal2 bench --m 4096 --n 4096 --k 4096 --results "$results" --budget 0.3 --template sm80_mma \
-        --param block_m=128,256 --param block_n=128,256 --param block_k=32,64 \
-        --param warps_m=2,4 --param warps_n=2,4 --param stages=3,4 2>&1 | tee "$out/sweep-4096.txt" ;;
-    precompile)
-      for dl in "fp16 nn" "bf16 nt"; do
-        set -- $dl
-        grids | while read -r line; do
-          cudal2 compile --template sm90_cutlass $(params "$line") --dtype "$1" --layout "$2" \
-            --arch sm_90a --json
-        done
-      done 2>&1 | tee "$out/precompile.log" ;;
-    sweep90|sweep90-4096)
-      shapes=("${sm90_shapes[@]}")
-      [ "$stage" = sweep90-4096 ] && shapes=("${sm90_shapes[0]}")
-      for shape in "${shapes[@]}"; do
-        set -- $shape
-        grids | while read -r line; do
-          cudal2 bench --m "$1" --n "$2" --k "$3" --dtype "$4" --layout "$5" --budget 0.3 \
-            --results "$results" --template sm90_cutlass $(params "$line") --json
-        done
-      done 2>&1 | tee "$out/$stage.jsonl" ;;
-    sweep90-raster)
-      for shape in "${sm90_shapes[@]:0:2}"; do
-        set -- $shape
-        grids | tail -n +3 | while read -r line; do
-          cudal2 bench --m "$1" --n "$2" --k "$3" --dtype "$4" --layout "$5" --budget 0.3 \
-            --results "$results" --template sm90_cutlass $(params "$line") --json | oneline
-        done
-      done 2>&1 | tee "$out/sweep90-raster.jsonl" ;;
-    small)  # shape, then a grid of sm80_mma parameters; one JSON document per line
-      while read -r m n k dtype layout grid; do
-        cudal2 bench --m "$m" --n "$n" --k "$k" --dtype "$dtype" --layout "$layout" --budget 0.2 \
-          --results "$results" --template sm80_mma $(params "$grid") --json
-      done < <(grep -v "^#" scripts/small_grids.txt) 2>&1 | tee "$out/small.jsonl" ;;
     *) echo "unknown stage $stage" >&2; exit 2 ;;
   esac
 done
