@@ -286,6 +286,23 @@ def test_baselines_are_correct_and_timed_on_the_device(context):
     assert rows["torch.matmul"]["kernel_us"] < 2 * rows["cuBLAS"]["kernel_us"], rows
 
 
+def test_a_worker_keeps_only_the_memory_of_the_problem_it_times(tmp_path, compiler):
+    """One worker through a shape set: after 8192^3 (three input sets of 3 x 128 MiB), a
+    64^3 problem's session leaves its pools holding megabytes, not the earlier problem's
+    gigabytes (they kept every size seen, 80 GiB after 24 shapes, until allocation failed)."""
+    worker = Worker()
+    try:
+        for problem in (Problem(8192, 8192, 8192), Problem(64, 64, 64)):
+            measure_baselines(Context(problem, Settings(results=tmp_path, budget=0.05), worker, compiler,
+                                      Leaderboard(tmp_path), "test"))
+            held = worker.pool_bytes()
+            if problem.m == 8192:
+                assert max(held.values()) > 1 << 30, held  # the big problem's sets were there
+        assert set(held) == {"graph", "cupti"} and max(held.values()) < 256 << 20, held
+    finally:
+        worker.close()
+
+
 DEV_SET = Path(os.environ.get("DEVSET", ROOT.parent / "shared" / "shapes" / "dev.csv"))
 
 
