@@ -234,6 +234,9 @@ class SearchProposer:
             if (params is not None and template.supports(problem, self.device["cc"])
                     and not template.space.violations(params, self.device["cc"])):
                 warm.append((score(row["template"], params), row["template"], params))
+        first = not measured  # nothing of this problem measured yet: what is built goes first
+        if first:
+            warm.sort(key=lambda e: penalty(e[1], e[2]) > 1.0)
         # Half the batch: warm-start picks and neighbours, alternating (warm first).
         alternating = [e for pair in itertools.zip_longest(warm, near) for e in pair if e is not None]
         for t, name, params in alternating:
@@ -257,13 +260,33 @@ class SearchProposer:
             prices.add(key)
 
         def cache_first(entries: list) -> list:  # entries carry their corrected price
-            return sorted(entries[: self.WINDOW], key=lambda e: e[0] * penalty(e[1], e[2])) + entries[self.WINDOW:]
+            def key(e):  # the first batch takes every built configuration before any other
+                return (penalty(e[1], e[2]) > 1.0, e[0]) if first else (e[0] * penalty(e[1], e[2]),)
+            return sorted(entries[: self.WINDOW], key=key) + entries[self.WINDOW:]
 
-        for _, name, params in cache_first(firsts) + cache_first(rest):
+        ordered = cache_first(firsts) + cache_first(rest)
+        for _, name, params in ordered:
             if len(picks) >= n:
                 break
             take(name, params)
+        if first and self.cached is not None and picks:
+            self._quick_build(problem, picks, ordered, penalty, fresh)
         return picks
+
+    def _quick_build(self, problem: Problem, picks: list[Candidate], ordered: list, penalty, fresh) -> None:
+        """A first batch with nothing built holds the best configuration of the template that
+        compiles fastest (sm80_mma: seconds; a CUTLASS kernel: half a minute and more), so a
+        run from an empty cache has a verified kernel while the others compile."""
+        if any(penalty(c.template, json.loads(c.params_json)) <= 1.0 for c in picks):
+            return
+        quick = min((t for t in self.templates.values() if t.supports(problem, self.device["cc"])),
+                    key=lambda t: t.space.compile_s, default=None)
+        if quick is None or any(c.template == quick.name for c in picks):
+            return
+        for _, name, params in ordered:
+            if name == quick.name and fresh(name, params):
+                picks[-1] = Candidate.from_template(name, params)
+                return
 
 
 class HybridProposer:

@@ -115,6 +115,7 @@ class Space:
     derived: dict[str, str]
     constraints: tuple[str, ...]
     cost: dict[str, str]
+    compile_s: float = 60.0  # nvcc seconds (one core) of one configuration: the search's price of a build
     # Valid configurations per compute capability, as value tuples in parameter order: the
     # enumeration is the larger part of ranking a space (seconds), and the same for every problem.
     _valid: dict[int, tuple[tuple[Any, ...], ...]] = field(default_factory=dict, compare=False, repr=False)
@@ -138,6 +139,7 @@ class Space:
             derived=dict(doc.get("derived", {})),
             constraints=tuple(doc.get("constraints", ())),
             cost=dict(doc.get("cost", {})),
+            compile_s=float(doc.get("compile_s", 60.0)),
         )
 
     def runs_on(self, cc: int) -> bool:

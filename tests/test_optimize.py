@@ -253,6 +253,35 @@ def test_search_prefers_configurations_already_compiled():
     assert search.propose(p, [], 4)[0] == favourite
 
 
+@pytest.fixture(scope="module")
+def hopper_ranking():
+    """The search over both templates at 4096^3 on an H200, as a fresh run proposes (12)."""
+    p = Problem(4096, 4096, 4096)
+    return p, SearchProposer(H200).propose(p, [], 12)
+
+
+def test_a_first_batch_measures_every_built_configuration_before_compiling_any(hopper_ranking):
+    # The prebuilt set is what a first batch runs: three built configurations the model
+    # ranks 9th-11th come before its own top picks, none of them built (a 20 s budget on a
+    # shape set once went to compiling one kernel per shape, with 180 built ones unused).
+    p, ranked = hopper_ranking
+    built = ranked[8:11]
+    search = SearchProposer(H200, cached=lambda problem, name, params: any(
+        name == c.template and params == c.param_dict for c in built))
+    picks = search.propose(p, [], 4)
+    assert set(picks[:3]) == set(built) and picks[3] not in built
+
+
+def test_with_nothing_built_a_first_batch_holds_the_template_that_compiles_in_seconds(hopper_ranking):
+    # From an empty cache the model's top four are CUTLASS kernels (35 s of nvcc each); one
+    # sm80_mma configuration (4 s) among them gives the run a verified kernel within a minute.
+    p, ranked = hopper_ranking
+    assert {c.template for c in ranked[:4]} == {"sm90_cutlass"}
+    picks = SearchProposer(H200, cached=lambda problem, name, params: False).propose(p, [], 4)
+    assert picks[:3] == ranked[:3] and picks[3].template == "sm80_mma"
+    assert get_template("sm80_mma").space.compile_s < get_template("sm90_cutlass").space.compile_s
+
+
 def test_recorded_parameters_complete_with_defaults_of_newer_parameters():
     space = get_template("sm80_mma").space
     older = {k: v for k, v in space.defaults().items() if k != "split_k"}  # recorded before split_k existed
