@@ -193,6 +193,26 @@ def optimize(ctx: Context, proposer: Proposer, budget: Budget, *, remeasure: boo
             ctx.leaderboard.append(rows)
         return improved
 
+    early: set[str] = set()  # sources measured while their batch was still compiling
+
+    def batch_result(pending) -> tuple[list[Built], list[dict[str, Any]]]:
+        """The compiling batch's builds and invalid rows. Until a kernel is verified, each
+        build that finishes meanwhile is measured at once: a run from an empty cache has its
+        first verified kernel when the quickest compile ends, not the slowest."""
+        while not verified():
+            ready = [item for item in list(compiled) if item.build.status == "ok" and item.source not in early]
+            if ready:
+                early.add(ready[0].source)
+                measure_batch(ready[:1], [])
+                continue
+            wait = 0.5 if time_left() is None else min(0.5, time_left())
+            try:
+                return pending.result(timeout=wait)
+            except FutureTimeout:
+                if over_time():
+                    raise
+        return pending.result(timeout=time_left())
+
     metric = f"speedup_{ctx.mode}"  # the mode that decides "best": offline or server
     best = best_row(history, ctx.mode)
     best_speedup = best[metric] if best else 0.0
@@ -204,11 +224,12 @@ def optimize(ctx: Context, proposer: Proposer, budget: Budget, *, remeasure: boo
         pending = pool.submit(prepare, list(visible), ctx.compiler.generation)
         for iteration in range(budget.iterations):
             try:
-                built, invalid = pending.result(timeout=time_left())
+                built, invalid = batch_result(pending)
+                built = [item for item in built if item.source not in early]
             except FutureTimeout:
                 out.stopped = "time budget spent (while the next batch compiled)"
                 ctx.compiler.cancel()  # its nvcc processes stop; nothing half-done is cached
-                ready = [item for item in list(compiled) if item.build.status == "ok"]
+                ready = [item for item in list(compiled) if item.build.status == "ok" and item.source not in early]
                 if not verified() and ready:  # never end empty: measure what had compiled
                     out.stopped += f"; the {len(ready)} kernel(s) built by then measured"
                     measure_batch(ready, [])
