@@ -49,6 +49,7 @@ class Outcome:
     gpu_s: float = 0.0  # time the GPU worker was busy (verify + bench)
     compile_s: float = 0.0  # nvcc seconds of the compiles this run ran (not cached)
     duplicates: int = 0  # candidates skipped as already measured or identical binaries
+    error: str | None = None  # a shape of a set whose run failed (the set went on without it)
 
     @property
     def statuses(self) -> dict[str, int]:
@@ -290,9 +291,18 @@ def optimize_shapes(problems: list[Problem], context: Callable[[Problem, int], C
             index, problem = item
             emit("shape", {"index": index, "of": len(problems), "problem": problem, "worker": worker})
             ctx = context(problem, worker)
+            began = time.monotonic()
             try:
                 outcomes[index - 1] = optimize(ctx, proposer(ctx), budget, remeasure=remeasure, on_event=on_event)
-            except BaseException as exc:  # Ctrl-C, or an unknown failure: the others stop after their shape
+            except Exception as exc:  # this shape's run failed (its measured rows are kept): the set goes on
+                if len(problems) == 1:
+                    failures.append(exc)
+                    return
+                reason = str(exc).strip().splitlines()[-1] if str(exc).strip() else type(exc).__name__
+                outcomes[index - 1] = Outcome(stopped=f"failed: {reason}", error=reason,
+                                              wall_s=time.monotonic() - began)
+                emit("failed", {"index": index, "problem": problem, "error": reason})
+            except BaseException as exc:  # Ctrl-C: the others stop after their shape
                 failures.append(exc)
                 return
 

@@ -86,7 +86,7 @@ def optimize_summary(problem: Problem, env: dict[str, Any], outcome, run_id: str
         "best": jsonable([outcome.best])[0] if outcome.best else None,
         "exported": str(outcome.exported) if outcome.exported else None,
         "statuses": outcome.statuses, "contributions": outcome.contributions, "stopped": outcome.stopped,
-        "duplicates": outcome.duplicates,
+        "duplicates": outcome.duplicates, "error": outcome.error,
         "wall_s": round(outcome.wall_s, 2), "gpu_s": round(outcome.gpu_s, 2), "compile_s": round(outcome.compile_s, 2),
         "run_id": run_id,
     }

@@ -587,6 +587,34 @@ def test_the_python_api_tunes_a_shape_set_end_to_end(tmp_path, cache_dir):
         cudal2.bench(shapes[0], template="nope", settings=settings, worker=StandInWorker())
 
 
+class FailingOn(StandInWorker):
+    """A stand-in whose GPU work fails for one problem (an allocation failing, say)."""
+
+    def __init__(self, m: int):
+        super().__init__()
+        self.m = m
+
+    def request(self, job, timeout):
+        if job["problem"]["m"] == self.m:
+            raise RuntimeError("GPU worker failed:\ntorch.OutOfMemoryError: CUDA out of memory.")
+        return super().request(job, timeout)
+
+
+@pytest.mark.skipif(cublas_location() is None, reason="cuBLAS headers not installed (pip install nvidia-cublas)")
+def test_a_shape_whose_run_fails_costs_that_shape_not_the_set(tmp_path, cache_dir):
+    """An overnight set goes on past a shape whose GPU work failed: the shapes after it are
+    tuned, and the failed one says why (the CLI then exits 1, after its summary)."""
+    import cudal2
+    from cudal2.config import Settings
+
+    settings = Settings(results=tmp_path / "results", cache_dir=cache_dir, arch="sm_90a")
+    shapes = [cudal2.Problem(m, 256, 256) for m in (256, 128, 64)]
+    tuned = cudal2.optimize(shapes, iterations=1, batch=1, settings=settings, workers=[FailingOn(128)])
+    assert [t.outcome.error for t in tuned] == [None, "torch.OutOfMemoryError: CUDA out of memory.", None]
+    assert tuned[0].best is not None and tuned[2].best is not None and tuned[1].best is None
+    assert tuned[1].outcome.stopped.startswith("failed: ")
+
+
 @pytest.mark.skipif(cublas_location() is None, reason="cuBLAS headers not installed (pip install nvidia-cublas)")
 def test_a_shape_set_spreads_over_every_gpu_worker(tmp_path, cache_dir):
     """Two GPU workers (stood in for) share four shapes: each takes the next untuned one,

@@ -182,4 +182,8 @@ def optimize(
         print(f"{total['tuned']} of {total['shapes']} shapes with a verified kernel; speedup over the fastest library "
               f"call: geometric mean {fmt(total['geomean_speedup'], 3)}, minimum {fmt(total['min_speedup'], 3)}; "
               f"wall {total['wall_s']:.1f} s")
+    if failed := [(p, o.error) for p, o in zip(problems, outcomes) if o.error]:
+        for problem, error in failed:
+            err_console.print(f"error: {problem}: {error}")
+        raise typer.Exit(1)
 
