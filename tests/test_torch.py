@@ -51,3 +51,37 @@ def test_patch_swaps_only_the_layers_whose_shapes_were_tuned(tmp_path):
     # off the GPU the op falls back to F.linear (the bias added after it: bf16 rounds once more)
     assert torch.allclose(model(x), before, rtol=2e-2, atol=2e-2)
     ops.use(None)
+
+
+def test_gradients_through_the_ops_are_the_library_calls_gradients():
+    import torch.nn.functional as F
+
+    x, w = torch.randn(4, 8, requires_grad=True), torch.randn(6, 8, requires_grad=True)
+    a, b = torch.randn(4, 8, requires_grad=True), torch.randn(8, 3, requires_grad=True)
+    for ours, theirs, inputs in ((torch.ops.cudal2.linear, F.linear, (x, w)), (torch.ops.cudal2.mm, torch.matmul, (a, b))):
+        expected = torch.autograd.grad(theirs(*inputs).pow(2).sum(), inputs)
+        got = torch.autograd.grad(ours(*inputs).pow(2).sum(), inputs)
+        assert all(torch.allclose(g, e) for g, e in zip(got, expected))
+
+
+def test_a_patched_layer_answers_alike_in_inference_training_and_compiled(tmp_path):
+    """Eager inference takes the op's function without the dispatcher (host cost: a layer of
+    a decode step runs in microseconds); with gradients, or traced, the op itself."""
+    entry = {"m": 4, "n": 6, "k": 8, "dtype": "fp16", "layout": "nt", "library": "kernels/x.so", "kernel": "k",
+             "speedup": 1.05, "verified_m": [4]}
+    ops.use(library(tmp_path, [entry]), environment=VERSIONS)
+    try:
+        layer, plain = torch.nn.Linear(8, 6, bias=False).half(), torch.nn.Linear(8, 6, bias=False).half()
+        plain.load_state_dict(layer.state_dict())
+        assert ops.patch(layer) == 1
+        x = torch.randn(4, 8, dtype=torch.float16)
+        with torch.no_grad():
+            assert torch.equal(layer(x), plain(x)) and torch.equal(layer(x[None])[0], plain(x))
+        layer(x.float().half().requires_grad_()).float().sum().backward()
+        plain(x).float().sum().backward()
+        assert torch.allclose(layer.weight.grad.float(), plain.weight.grad.float())
+        compiled = torch.compile(layer, fullgraph=True, backend="eager")
+        with torch.no_grad():
+            assert torch.equal(compiled(x), plain(x))
+    finally:
+        ops.use(None)
