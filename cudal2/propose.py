@@ -42,16 +42,19 @@ def problem_distance(a: Problem, b: Problem) -> float:
     return logs + (4.0 if (a.dtype, a.layout) != (b.dtype, b.layout) else 0.0)
 
 
-def nearest_winners(problem: Problem, rows: list[dict[str, Any]], per_problem: int = 3) -> list[dict[str, Any]]:
-    """The rows of the template configurations that measured fastest on other problems:
-    the best `per_problem` of each problem (by offline speedup), nearest problems first."""
+def nearest_winners(problem: Problem, rows: list[dict[str, Any]], per_problem: int = 3,
+                    same: bool = False) -> list[dict[str, Any]]:
+    """The rows of the template configurations that measured fastest on other problems
+    (`same`: on this one too, first: a measurement shipped with the package or made on
+    another machine of this GPU): the best `per_problem` of each problem (by offline
+    speedup), nearest problems first."""
     by_problem: dict[Problem, list[dict[str, Any]]] = {}
     for row in rows:
         speedup = row.get("speedup_offline")
         if (row.get("status") == "ok" and isinstance(row.get("template"), str) and isinstance(row.get("params"), str)
                 and speedup is not None and speedup == speedup):
             other = Problem(int(row["m"]), int(row["n"]), int(row["k"]), row["dtype"], row["layout"])
-            if other != problem:
+            if same or other != problem:
                 by_problem.setdefault(other, []).append(row)
     found: list[dict[str, Any]] = []
     for other in sorted(by_problem, key=lambda o: (problem_distance(problem, o), o.m, o.n, o.k, o.dtype, o.layout)):
@@ -229,7 +232,7 @@ class SearchProposer:
         for layer in itertools.zip_longest(*axes):
             near += sorted((e for e in layer if e is not None), key=lambda e: e[0])
         warm = []  # what won on the nearest problems, in that order, if it can run this one
-        for row in nearest_winners(problem, self.prior):
+        for row in nearest_winners(problem, self.prior, same=True):  # measured here already: not fresh
             params, template = recorded_params(row, self.templates), self.templates.get(row["template"])
             if (params is not None and template.supports(problem, self.device["cc"])
                     and not template.space.violations(params, self.device["cc"])):

@@ -211,6 +211,23 @@ def test_nearest_winners_still_come_when_this_problem_has_only_a_weak_history():
     assert sum(a != b for a, b in zip(default.params, picks[1].params)) == 1
 
 
+def test_a_problem_measured_before_starts_from_its_own_winners():
+    # A fresh results directory on a GPU the package has measurements of: the shipped best of
+    # this very problem comes first (a dev-set run started 1024x128x16384 from a neighbour's
+    # winner at 0.19x, with its own 0.94x kernel in the shipped file), unless measured here.
+    space = get_template("sm80_mma").space
+    own = Candidate.from_template("sm80_mma", {**space.defaults(), "block_m": 64, "warps_m": 2, "stages": 3})
+    near = Candidate.from_template("sm80_mma", {**space.defaults(), "block_n": 64})
+    prior = [{"status": "ok", "template": "sm80_mma", "params": c.params_json, "kernel": str(c), "m": m, "n": 128,
+              "k": 16384, "dtype": "fp16", "layout": "nn", "speedup_offline": s}
+             for c, m, s in ((near, 2048, 1.1), (own, 1024, 0.94))]
+    search = SearchProposer(H200, prior=prior, templates={"sm80_mma": get_template("sm80_mma")})
+    problem = Problem(1024, 128, 16384)
+    assert search.propose(problem, [], 4)[:2] == [own, near]
+    measured = [{**prior[1], "offline_us": 20.0}]  # measured in this results directory: not again
+    assert own not in search.propose(problem, measured, 4)
+
+
 def test_search_stays_within_a_given_grid(tmp_path, compiler):
     from cudal2.render import template_grid
 
