@@ -18,6 +18,7 @@ from typing import Any
 
 import pandas as pd
 
+from . import prebuilt
 from . import render as render_stage
 from .bench import PROTOCOL
 from .candidate import Candidate
@@ -25,7 +26,7 @@ from .compile import Compiler, find_nvcc
 from .config import Settings, load_settings
 from .environment import default_arch
 from .errors import Cudal2Error
-from .leaderboard import BASELINES, Leaderboard, best, priors, select, shipped
+from .leaderboard import BASELINES, Leaderboard, best, priors, select, shipped, with_shipped
 from .optimize import Budget, Event, Outcome, optimize_shapes
 from .pipeline import Context, evaluate, measure_baselines, new_run_id
 from .problem import Problem
@@ -200,6 +201,19 @@ def optimize(problems: list[Problem] | Problem, *, proposer: str = "search", ite
         def cached(target: Problem, name: str, params: dict[str, Any]) -> bool:
             return compilers[0].lookup(render_stage.render(Candidate.from_template(name, params), target)) is not None
 
+        # The prebuilt set's measured part (what a first batch can rank in milliseconds), as
+        # far as it is built here; per dtype and layout, whose builds serve every shape.
+        near_best = prebuilt.kernel_set(env["cc"], with_shipped(leaderboard.read(bench=None)), regions=False)
+        built_by_variant: dict[tuple[str, str], list[tuple[str, dict]]] = {}
+
+        def built(target: Problem) -> list[tuple[str, dict]]:
+            variant = (target.dtype, target.layout)
+            if variant not in built_by_variant:
+                built_by_variant[variant] = [
+                    (e.candidate.template, e.candidate.param_dict) for e in near_best
+                    if (e.dtype, e.layout) == variant and cached(target, e.candidate.template, e.candidate.param_dict)]
+            return built_by_variant[variant]
+
         within = None
         if template:  # every configuration of the grid (or of the whole space), valid for this GPU
             within = (render_stage.template_grid(template, grid, env["cc"]) if grid else
@@ -219,7 +233,7 @@ def optimize(problems: list[Problem] | Problem, *, proposer: str = "search", ite
         def proposer_for(ctx: Context):
             # the shapes tuned before this one, here and in the shipped measurements, are priors
             prior = priors(leaderboard.read(), env["gpu"])
-            search = SearchProposer(env, seed=seed, prior=prior, cached=cached, within=within)
+            search = SearchProposer(env, seed=seed, prior=prior, cached=cached, within=within, built=built)
             llm = llms[compilers.index(ctx.compiler)]
             if llm is not None:
                 llm.prior = prior  # its warm start: the nearest problems' fastest

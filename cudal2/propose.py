@@ -111,7 +111,9 @@ class SearchProposer:
     (split_k where the tiles already fill the GPU, say) is still moved. The rest of the
     batch follows the global ranking, one configuration per predicted time first. A
     configuration whose build is not in the compile cache (`cached` says) counts
-    UNCACHED_PENALTY slower: a CUTLASS compile costs a minute, a cached one nothing. Ties
+    UNCACHED_PENALTY slower: a CUTLASS compile costs a minute, a cached one nothing; a
+    problem's first batch takes the built ones first, ranked among themselves alone when
+    `built` lists enough of them (the prebuilt set). Ties
     go to the configuration nearest the defaults, then to a seeded shuffle: deterministic
     per --seed.
     """
@@ -123,7 +125,8 @@ class SearchProposer:
     def __init__(self, device: dict[str, Any], seed: int = 0, templates: dict[str, Template] | None = None,
                  prior: list[dict[str, Any]] | None = None,
                  cached: Callable[[Problem, str, dict], bool] | None = None,
-                 within: list[Candidate] | None = None):
+                 within: list[Candidate] | None = None,
+                 built: Callable[[Problem], list[tuple[str, dict]]] | None = None):
         self.device = device
         self.seed = seed
         self.within = {(c.template, c.params_json) for c in within} if within else None
@@ -132,6 +135,7 @@ class SearchProposer:
             self.templates = {c.template: self.templates[c.template] for c in within}
         self.prior = prior or []
         self.cached = cached
+        self.built = None if within else built  # configurations known built (the prebuilt set's), per problem
         self._ranking: dict[Problem, list[tuple[float, str, dict]]] = {}
         self._penalty: dict[tuple[Problem, str, str], float] = {}
 
@@ -257,7 +261,8 @@ class SearchProposer:
         # first WINDOW classes (and the first WINDOW of the rest) the cache preference may
         # reorder.
         firsts, rest, prices = [], [], set()
-        for t, entry in sorted(((price(e), e) for e in self.ranking(problem)), key=lambda pair: pair[0]):
+        for t, entry in sorted(((price(e), e) for e in self._first_ranking(problem, first, n - len(picks), fresh)),
+                               key=lambda pair: pair[0]):
             key = (entry[1], round(math.log(t), 3))
             (rest if key in prices else firsts).append((t, entry[1], entry[2]))
             prices.add(key)
@@ -275,6 +280,22 @@ class SearchProposer:
         if first and self.cached is not None and picks:
             self._quick_build(problem, picks, ordered, penalty, fresh)
         return picks
+
+    def _first_ranking(self, problem: Problem, first: bool, wanted: int, fresh) -> list[tuple[float, str, dict]]:
+        """What the batch's ranked half is drawn from: for a first batch with at least
+        `wanted` fresh built configurations (`built`), those alone, ranked in milliseconds;
+        else the whole ranking (seconds: 230,000 configurations on Hopper), which a later
+        batch computes while the first one is on the GPU."""
+        if first and self.built is not None and problem not in self._ranking:
+            ranked = []
+            for name, params in self.built(problem):
+                template = self.templates.get(name)
+                if (template is not None and template.supports(problem, self.device["cc"]) and fresh(name, params)
+                        and math.isfinite(t := predict_us(template, params, problem, self.device))):
+                    ranked.append((t, name, params))
+            if len(ranked) >= wanted:
+                return sorted(ranked, key=lambda e: e[0])
+        return self.ranking(problem)
 
     def _quick_build(self, problem: Problem, picks: list[Candidate], ordered: list, penalty, fresh) -> None:
         """A first batch with nothing built holds the best configuration of the template that

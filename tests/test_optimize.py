@@ -299,6 +299,23 @@ def test_with_nothing_built_a_first_batch_holds_the_template_that_compiles_in_se
     assert get_template("sm80_mma").space.compile_s < get_template("sm90_cutlass").space.compile_s
 
 
+def test_a_first_batch_with_enough_built_configurations_ranks_them_alone(hopper_ranking, monkeypatch):
+    # Ranking the whole Hopper space takes seconds a problem (230,000 configurations); a
+    # first batch drawn from the prebuilt set ranks its 150 or so built configurations alone,
+    # best predicted first, and leaves the whole ranking to the next batch.
+    p, ranked = hopper_ranking
+    built = [(c.template, c.param_dict) for c in ranked[4:12]]
+    search = SearchProposer(H200, built=lambda problem: built,
+                            cached=lambda problem, name, params: (name, params) in built)
+    monkeypatch.setattr(search, "ranking", lambda problem: pytest.fail("the whole space was ranked"))
+    assert search.propose(p, [], 4) == ranked[4:8]
+    monkeypatch.undo()  # fewer built than wanted: the whole ranking, the built ones first
+    few = built[:2]
+    picks = SearchProposer(H200, built=lambda problem: few,
+                           cached=lambda problem, name, params: (name, params) in few).propose(p, [], 4)
+    assert [(c.template, c.param_dict) for c in picks[:2]] == few and picks[2:] == ranked[:2]
+
+
 def test_recorded_parameters_complete_with_defaults_of_newer_parameters():
     space = get_template("sm80_mma").space
     older = {k: v for k, v in space.defaults().items() if k != "split_k"}  # recorded before split_k existed
