@@ -260,12 +260,15 @@ class CheckResult:
 
 
 def check(shapes: list[Problem] | None = None, *, fail_under: float = 1.0, settings: Settings | None = None,
-          worker=None) -> CheckResult:
+          worker=None, library: Path | None = None) -> CheckResult:
     """Measures the leaderboard's best kernel of each shape (every problem it has, if no
     shapes are given) again on this GPU, from its stored source, against the baselines: after
     a driver or CUDA upgrade, or in CI. A shape passes when its kernel verifies and its
-    speedup is at least `fail_under`; a shape with no kernel fails."""
+    speedup is at least `fail_under`; a shape with no kernel fails. With `library` (an
+    exported dispatch library), the kernels it serves are measured instead, as built."""
     settings = settings or load_settings()
+    if library is not None:
+        return _check_library(Path(library), shapes, fail_under, settings, worker)
     board = Leaderboard(settings.results)
     if not board.parts.exists():
         raise Cudal2Error(f"no leaderboard in {settings.results} (nothing measured there yet, or another --results)")
@@ -288,6 +291,51 @@ def check(shapes: list[Problem] | None = None, *, fail_under: float = 1.0, setti
                               status=measured["status"],
                               passed=measured["status"] == "ok" and speedup is not None and speedup >= fail_under)
             rows.append(record)
+    return CheckResult(fail_under, rows)
+
+
+def _check_library(root: Path, shapes: list[Problem] | None, fail_under: float, settings: Settings,
+                   worker) -> CheckResult:
+    """check() of an exported library: each entry's kernel library (the binary a model's op
+    loads, not a new build of its source) verified and timed against the baselines here; the
+    measurements go to the results directory as a bench's do. A library built for another
+    GPU model is refused; one built with another driver or toolkit is what a check is for."""
+    from .compile import Build, library_symbols
+    from .pipeline import Built, measure_row
+    from .runtime import DispatchTable
+
+    table = DispatchTable.load(root)
+    wanted = None if shapes is None else {(p.m, p.n, p.k, p.dtype, p.layout) for p in shapes}
+    entries = [e for e in table.entries if wanted is None or (e.m, e.n, e.k, e.dtype, e.layout) in wanted]
+    find_nvcc()  # the baselines' shims
+    leaderboard = Leaderboard(settings.results)
+    rows = []
+    with _worker(settings, worker) as gpu:
+        env = gpu.start()
+        if table.versions.get("gpu") != env["gpu"]:
+            raise Cudal2Error(f"{root} was built for {table.versions.get('gpu')}, this machine has {env['gpu']}")
+        compiler = Compiler(settings.arch or default_arch(env["cc"]), settings.cache_dir, settings.jobs, settings.timeout)
+        run_id = new_run_id()
+        for entry in entries:
+            problem = Problem(entry.m, entry.n, entry.k, entry.dtype, entry.layout)
+            path = table.root / entry.library
+            source_file = path.with_suffix(".cu")
+            source = source_file.read_text() if source_file.is_file() else f"// {entry.kernel}: {path.name}, no source\n"
+            exports, imports = library_symbols(path)
+            build = Build(key=path.stem, status="ok", library=path, log="", seconds=0.0, cached=True,
+                          exports=exports, imports=imports)
+            ctx = Context(problem, settings, gpu, compiler, leaderboard, run_id)
+            measure_baselines(ctx)
+            row = measure_row(ctx, Built(Candidate.from_source(source, label=entry.kernel), source, build))
+            leaderboard.append([row])
+            speedup = row.get("speedup_offline")
+            rows.append({"problem": str(problem), "kernel": entry.kernel, "recorded": entry.speedup,
+                         "measured": speedup, "status": row["status"],
+                         "passed": row["status"] == "ok" and speedup is not None and speedup >= fail_under})
+    if wanted is not None:  # a shape the library does not serve has no kernel: it fails
+        served = {r["problem"] for r in rows}
+        rows += [{"problem": str(p), "kernel": None, "recorded": None, "measured": None, "status": "no kernel",
+                  "passed": False} for p in shapes if str(p) not in served]
     return CheckResult(fail_under, rows)
 
 

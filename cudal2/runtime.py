@@ -2,7 +2,8 @@
 one per call, or none (then the caller's library call runs).
 
 A library is a directory: `index.json` (the versions it was built and measured with, and
-one entry per tuned problem) and `kernels/<source hash>.so`. The table picks the kernel
+one entry per tuned problem) and `kernels/<source hash>.so` with its source beside it
+(`.cu`). The table picks the kernel
 tuned for exactly the problem; for a problem never tuned, the kernel tuned for the nearest M
 with the same N, K, dtype and layout, but only where M lies within the M values that kernel
 was verified at; otherwise none. A problem whose best kernel was measured slower than the
@@ -120,6 +121,7 @@ def export_library(board: Leaderboard, rows: pd.DataFrame, compiler: Compiler, o
             raise Cudal2Error(f"{row.kernel} no longer compiles: {build.log.strip().splitlines()[-1:]}")
         target = kernels / f"{row.source_hash}.so"
         shutil.copyfile(build.library, target)
+        target.with_suffix(".cu").write_text(board.source(row.source_hash))  # what it is, for a reader and `check`
         same = ok[(ok["source_hash"] == row.source_hash) & (ok["n"] == row.n) & (ok["k"] == row.k)
                   & (ok["dtype"] == row.dtype) & (ok["layout"] == row.layout)]
         entries.append(Entry(int(row.m), int(row.n), int(row.k), row.dtype, row.layout, f"kernels/{target.name}",

@@ -498,3 +498,28 @@ def test_the_torch_op_runs_exported_kernels_and_falls_back_elsewhere(tmp_path, c
     assert ops._tuned(other, torch.randn(512, 384, device="cuda", dtype=torch.bfloat16), "nt") is None
     assert torch.equal(torch.ops.cudal2.linear(x.cpu(), w.cpu()), F.linear(x.cpu(), w.cpu()))
     ops.use(None)
+
+
+def test_check_of_a_library_exits_3_on_a_deliberately_slow_kernel(tmp_path, cache_dir):
+    """A plain SIMT kernel (far slower than cuBLAS) benched, exported whatever its speed,
+    then `check --library` on this GPU: the binary the library ships is verified and timed
+    again, and the check fails the bar with exit 3 (and passes a bar of 0)."""
+    kernel = tmp_path / "simt.cu"
+    kernel.write_text(fixture_source("honest"))
+    results, library = tmp_path / "results", tmp_path / "lib"
+    runner = CliRunner(env={"CUDAL2_CACHE_DIR": str(cache_dir)})
+    bench = runner.invoke(app, ["bench", "--m", "512", "--n", "512", "--k", "512", "--kernel", str(kernel),
+                                "--budget", "0.1", "--results", str(results), "--json"])
+    assert bench.exit_code == 0, bench.output
+    exported = runner.invoke(app, ["export", "--library", str(library), "--results", str(results),
+                                   "--min-speedup", "0"])
+    assert exported.exit_code == 0, exported.output
+    [entry] = DispatchTable.load(library).entries
+    assert entry.speedup < 1.0
+    slow = runner.invoke(app, ["check", "--library", str(library), "--fail-under", "1.0", "--results", str(results),
+                               "--json"])
+    assert slow.exit_code == 3, slow.output
+    [row] = json.loads(slow.output)["rows"]
+    assert row["status"] == "ok" and 0 < row["measured"] < 1.0 and not row["passed"]
+    assert runner.invoke(app, ["check", "--library", str(library), "--fail-under", "0",
+                               "--results", str(results)]).exit_code == 0

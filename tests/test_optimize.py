@@ -706,6 +706,45 @@ def test_check_measures_the_best_kernels_again_and_exits_3_below_the_bar(tmp_pat
     assert bad.exit_code == 1 and bad.output.strip() == "error: --fail-under takes a number, got 'fast'"
 
 
+@pytest.mark.skipif(cublas_location() is None, reason="cuBLAS headers not installed (pip install nvidia-cublas)")
+def test_check_of_an_exported_library_measures_the_binaries_it_serves(tmp_path, cache_dir, monkeypatch):
+    """`check --library DIR` (after a driver or CUDA upgrade, or in CI beside a model that
+    loads the library): each kernel the library serves, as the binary it ships, verified
+    and timed against the baselines; exit 3 below the bar; bad libraries in one line."""
+    import cudal2
+    from cudal2 import api
+    from cudal2.config import Settings
+
+    settings = Settings(results=tmp_path / "results", cache_dir=cache_dir, arch="sm_90a")
+    shapes = [cudal2.Problem(256, 256, 256), cudal2.Problem(128, 256, 512)]
+    cudal2.optimize(shapes, iterations=1, batch=1, settings=settings, workers=[StandInWorker()])
+    table = cudal2.export(tmp_path / "lib", settings=settings, min_speedup=0.0)
+    assert all((tmp_path / "lib" / e.library).with_suffix(".cu").is_file() for e in table.entries)
+    served = [str(cudal2.Problem(e.m, e.n, e.k, e.dtype, e.layout)) for e in table.entries]
+    worker = StandInWorker()
+    passed = cudal2.check(fail_under=0.1, settings=settings, worker=worker, library=tmp_path / "lib")
+    assert passed.passed and sorted(r["problem"] for r in passed.rows) == sorted(served)
+    assert sorted(worker.kernels) == sorted(str(tmp_path / "lib" / e.library) for e in table.entries)  # as shipped
+    assert all(r["measured"] == pytest.approx(r["recorded"]) for r in passed.rows)  # same binary, same stand-in time
+    slow = cudal2.check(fail_under=0.5, settings=settings, worker=StandInWorker(times=[950.0, 950.0]),
+                        library=tmp_path / "lib")
+    assert not slow.passed and all(r["measured"] == pytest.approx(0.1) for r in slow.rows)  # 95 / 950
+    elsewhere = StandInWorker()
+    elsewhere.environment = {**StandInWorker.environment, "gpu": "NVIDIA A100"}
+    with pytest.raises(Cudal2Error, match="was built for NVIDIA H200, this machine has NVIDIA A100"):
+        cudal2.check(settings=settings, worker=elsewhere, library=tmp_path / "lib")
+
+    monkeypatch.setattr(api, "Worker", lambda device: StandInWorker(device=device, times=[950.0, 950.0]))
+    env = {"CUDAL2_CACHE_DIR": str(cache_dir), "CUDAL2_ARCH": "sm_90a"}
+    args = ["check", "--library", str(tmp_path / "lib"), "--results", str(settings.results)]
+    assert CliRunner(env=env).invoke(app, [*args, "--fail-under", "1.0"]).exit_code == 3
+    missing = CliRunner(env=env).invoke(app, ["check", "--library", str(tmp_path / "nowhere")])
+    assert missing.exit_code == 1 and len(missing.output.strip().splitlines()) == 1
+    assert "is not a cudal2 library" in missing.output
+    both = CliRunner(env=env).invoke(app, [*args, "--shapes", "x.csv"])
+    assert both.exit_code == 1 and "drop --shapes" in both.output
+
+
 def test_a_proposal_measured_before_is_reported_back_not_dropped(tmp_path, compiler):
     """Proposed again, a kernel is not measured twice, and the next round's history says so
     with its earlier result (the LLM prompt lists it among the failures)."""

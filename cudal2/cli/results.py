@@ -108,6 +108,8 @@ def check(
     tokens: TokensOpt = None,
     dtype: Annotated[Optional[str], typer.Option(help="a preset's dtype (default bf16)")] = None,
     fail_under: Annotated[str, typer.Option(help="the lowest speedup that passes")] = "1.0",
+    library: Annotated[Optional[Path], typer.Option(
+        help="an exported dispatch library (cudal2 export --library): measure the kernels it serves")] = None,
     results: Results = None,
     json_out: Json = False,
 ) -> None:
@@ -117,8 +119,15 @@ def check(
         threshold = float(fail_under)
     except ValueError:
         raise Cudal2Error(f"--fail-under takes a number, got {fail_under!r}") from None
+    if library is not None and (shapes is not None or model is not None):
+        raise Cudal2Error("--library checks the kernels a library serves: drop --shapes and --model")
+    if library is not None:
+        from ..runtime import DispatchTable
+
+        DispatchTable.load(library)  # not a library: one line, before the GPU is touched
     settings = load_settings({"results": results})
-    outcome = api.check(shape_set(shapes, model, tokens, dtype), fail_under=threshold, settings=settings)
+    outcome = api.check(shape_set(shapes, model, tokens, dtype), fail_under=threshold, settings=settings,
+                        library=library)
     if json_out:
         print(json.dumps({"fail_under": threshold, "passed": outcome.passed, "rows": jsonable(outcome.rows)}, indent=1))
     else:
