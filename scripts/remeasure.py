@@ -9,9 +9,9 @@ owns the memory and streams there. One child replays CUDA graphs and never loads
 the other reads device time with torch.profiler (CUPTI through Kineto). Each contestant is
 timed both ways, on three input sets cycled in turn:
 
-- graph: up to 20 x (torch's in-place sin over 512 KB + the call; fewer for long calls)
-  captured, replayed, minus the graph of the sin kernels alone, per call; per round every
-  contestant's graph replayed once, in a rotating order;
+- graph: up to 20 x (the protocol's neighbour kernel, an in-place sin over 512 KB, + the
+  call; fewer for long calls) captured, replayed, minus the graph of the neighbours alone,
+  per call; per round every contestant's graph replayed once, in a rotating order;
 - profiler: per round `--calls`/ROUNDS calls of each contestant in a rotating order, each
   call followed by a device sync, inside one profiler session per row; the device events
   (kernels, memsets) inside each contestant's record_function range summed per call.
@@ -99,16 +99,39 @@ def rotated(names: list[str], r: int) -> list[str]:
     return names[r % len(names):] + names[:r % len(names)]
 
 
+def neighbour(torch):
+    """The protocol's own neighbour kernel (cudal2.measure: an in-place sin over 512 KB, in
+    the same launch shape), on memory torch owns, launched through CuPy on torch's current
+    stream. What runs ahead of a kernel launched with PDL moves its in-graph time by up to
+    0.5 us (scripts/protocol_probe.py --graphs); behind torch's sin_, this check's graph read
+    the six smallest dev rows' kernels 0.24-0.43 us under the protocol's graph. So the check
+    and the protocol use the same neighbour."""
+    import cupy
+
+    from cudal2.measure import NEIGHBOUR_FLOATS, NEIGHBOUR_SOURCE
+
+    kernel = cupy.RawKernel(NEIGHBOUR_SOURCE, "cudal2_neighbour")
+    scratch = torch.ones(NEIGHBOUR_FLOATS, device="cuda")
+    shared = cupy.asarray(scratch)  # torch's memory, seen by CuPy
+
+    def run() -> None:
+        stream = cupy.cuda.ExternalStream(torch.cuda.current_stream().cuda_stream)
+        kernel((NEIGHBOUR_FLOATS // 256,), (256,), (shared, cupy.uint32(NEIGHBOUR_FLOATS)), stream=stream)
+
+    run.scratch = scratch  # kept alive with the launcher
+    return run
+
+
 class GraphTimer:
     """Per-call time of each contestant in a graph of `calls` x (neighbour + call) less the
-    graph of the neighbours alone; the neighbour (torch's in-place sin over 512 KB) fills
-    the SMs for a moment and touches too little memory for a call to slow it."""
+    graph of the neighbours alone; the neighbour (the protocol's in-place sin over 512 KB)
+    fills the SMs for a moment and touches too little memory for a call to slow it."""
 
     def __init__(self, contestants: dict, sets, calls: int):
         import torch
 
         self.torch, self.calls = torch, calls
-        self.scratch = torch.ones(1 << 17, device="cuda")
+        self.neighbour = neighbour(torch)
         self.graphs = {name: self.capture(run, sets) for name, run in contestants.items()}
         self.alone = self.capture(None, sets)
         for graph in [self.alone, *self.graphs.values()]:
@@ -122,13 +145,13 @@ class GraphTimer:
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):
             for i in range(3):  # warm on the capture stream
-                self.scratch.sin_()
+                self.neighbour()
                 if run is not None:
                     run(*sets[i % SETS])
         torch.cuda.current_stream().wait_stream(stream)
         with torch.cuda.graph(graph):
             for i in range(self.calls):
-                self.scratch.sin_()
+                self.neighbour()
                 if run is not None:
                     run(*sets[i % SETS])
         return graph
