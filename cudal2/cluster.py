@@ -84,14 +84,22 @@ def check_uniform(facts: dict[str, dict[str, Any]]) -> dict[str, Any]:
 def optimize_on_cluster(problems: list[Problem], address: str | Any, *, settings: Settings,
                         options: dict[str, Any] | None = None,
                         on_done: Callable[[Problem, dict[str, Any]], None] | None = None,
-                        task: Callable = tune_task, facts: Callable = gpu_facts) -> list[dict[str, Any]]:
+                        task: Callable = tune_task, facts: Callable = gpu_facts,
+                        connect_s: float = 20.0) -> list[dict[str, Any]]:
     """Tunes every problem on the cluster at `address` (a scheduler address, or a Dask
     Client), one task per problem on a worker with a free GPU; each problem's rows land in
     `settings.results` as its task finishes (`on_done(problem, result)` hears of it).
     Returns each task's result (its rows, sources and host), in the order they finished."""
     from distributed import Client, as_completed
 
-    client = address if isinstance(address, Client) else Client(address)
+    if isinstance(address, Client):
+        client = address
+    else:
+        try:
+            client = Client(address, timeout=connect_s)
+        except (OSError, TimeoutError, ValueError) as exc:  # nothing listening, a wrong address
+            reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+            raise Cudal2Error(f"no Dask scheduler answers at {address} within {connect_s:g} s ({reason})") from None
     try:
         workers = {a: w for a, w in client.scheduler_info()["workers"].items() if w.get("resources", {}).get("GPU")}
         reports = client.run(facts, workers=list(workers), on_error="return") if workers else {}

@@ -141,3 +141,15 @@ def test_a_task_starts_from_the_head_s_rows_and_returns_only_its_own(tmp_path, m
                        compact(head.read()))
     assert seen["priors"] == ["old"]
     assert [r["kernel"] for r in result["rows"]] == ["new"] and list(result["sources"].values()) == ["// new"]
+
+
+def test_a_cluster_address_that_does_not_answer_is_one_line(tmp_path):
+    import socket
+
+    with socket.socket() as probe:  # a port nothing listens on
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    with pytest.raises(Cudal2Error, match=f"no Dask scheduler answers at tcp://127.0.0.1:{port} within 2 s"):
+        optimize_on_cluster([Problem(64, 64, 64)], f"tcp://127.0.0.1:{port}", settings=Settings(results=tmp_path),
+                            connect_s=2.0)
+    assert not (tmp_path / "leaderboard").exists()  # nothing written
