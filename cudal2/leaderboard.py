@@ -248,3 +248,27 @@ def best(df: pd.DataFrame, top: int = 1) -> pd.DataFrame:
     latest = ok.sort_values("time", kind="stable").drop_duplicates(keys + ["source_hash"], keep="last")
     ranked = latest.sort_values("speedup_offline", ascending=False, kind="stable")
     return ranked.groupby(keys, sort=True, dropna=False).head(top).reset_index(drop=True)
+
+
+def contributions(df: pd.DataFrame, results: Path) -> pd.DataFrame:
+    """What each proposer contributed to the rows `df` (one protocol): candidates measured
+    or rejected, how many verified, its best speedup, the problems where it holds the best
+    kernel, and the LLM tokens its runs spent (llm-usage.jsonl under results/runs/<run id>/)."""
+    import json
+
+    kernels = df[~df["kernel"].isin(BASELINES)]
+    winners = best(kernels, 1)
+    tokens: dict[str, int] = {}
+    for run_id in kernels["run_id"].dropna().unique():
+        for log in (Path(results) / "runs" / str(run_id)).glob("**/llm-usage.jsonl"):
+            tokens[run_id] = tokens.get(run_id, 0) + sum(
+                json.loads(line).get("total_tokens") or 0 for line in log.read_text().splitlines() if line.strip())
+    rows = []
+    for proposer, group in kernels.groupby(kernels["proposer"].fillna("-"), sort=True):
+        ok = group[group["status"] == "ok"]
+        runs = set(group["run_id"].dropna())
+        rows.append({"proposer": proposer, "candidates": len(group), "ok": len(ok),
+                     "best_speedup": ok["speedup_offline"].max() if len(ok) else None,
+                     "best_kernels": int((winners["proposer"].fillna("-") == proposer).sum()),
+                     "llm_tokens": sum(tokens.get(r, 0) for r in runs) if proposer == "llm" else 0})
+    return pd.DataFrame(rows, columns=["proposer", "candidates", "ok", "best_speedup", "best_kernels", "llm_tokens"])

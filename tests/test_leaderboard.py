@@ -173,3 +173,28 @@ def test_a_fresh_machine_re_measures_what_was_shipped_for_its_gpu(tmp_path):
     found = known_candidates(problem, Leaderboard(tmp_path), rows, 90, top=1)
     protocols = set(rows[(rows["m"] == 128) & (rows["n"] == 64) & (rows["k"] == 64)]["bench"])
     assert 1 <= len(found) <= len(protocols) and all(c.template for c in found)
+
+
+def test_the_leaderboard_says_what_each_proposer_contributed(tmp_path):
+    import json
+
+    from typer.testing import CliRunner
+
+    from cudal2.cli import app
+
+    lb = Leaderboard(tmp_path)
+    lb.append([row("cuBLAS", 1.0, proposer="baseline"), row("s1", 0.9, proposer="search"),
+               row("s2", 1.2, proposer="search", m=2048), row("l1", 1.1, proposer="llm", run_id="r2"),
+               row("l2", None, status="wrong", proposer="llm", run_id="r2", error="max error"),
+               row("old", 3.0, proposer="llm", run_id="r0", bench="fenced")])  # another protocol: not counted
+    usage = tmp_path / "runs" / "r2" / "gpu0" / "llm-usage.jsonl"
+    usage.parent.mkdir(parents=True)
+    usage.write_text('{"round": 1, "total_tokens": 9000}\n{"round": 2, "total_tokens": 7000}\n')
+    out = CliRunner().invoke(app, ["leaderboard", "--proposers", "--results", str(tmp_path), "--format", "json"])
+    assert out.exit_code == 0, out.output
+    by = {r["proposer"]: r for r in json.loads(out.output)}
+    assert set(by) == {"llm", "search"}  # baselines are not proposals
+    assert (by["search"]["candidates"], by["search"]["ok"], by["search"]["best_speedup"]) == (2, 2, 1.2)
+    assert (by["llm"]["candidates"], by["llm"]["ok"], by["llm"]["best_speedup"]) == (2, 1, 1.1)
+    assert by["llm"]["best_kernels"] == 1 and by["search"]["best_kernels"] == 1  # 4096^3 and 2048x4096x4096
+    assert by["llm"]["llm_tokens"] == 16000 and by["search"]["llm_tokens"] == 0

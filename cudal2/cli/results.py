@@ -43,6 +43,9 @@ def leaderboard_cmd(
         "--export", help="also write each best kernel shown to results/best/<gpu>/<dtype>_<layout>/<m>_<n>_<k>.cu")] = False,
     migrate: Annotated[bool, typer.Option(
         "--migrate", help="rewrite every part into one part of the current schema, then show as asked")] = False,
+    proposers: Annotated[bool, typer.Option(
+        "--proposers", help="instead: what each proposer contributed (candidates, ok, best speedup, best "
+                            "kernels, LLM tokens)")] = False,
     results: Results = None,
 ) -> None:
     """Show the best verified kernel per problem with its speedup over the fastest library call.
@@ -72,6 +75,11 @@ def leaderboard_cmd(
     if gpu is not None:  # 'H200' finds 'NVIDIA H200'
         df = df[df["gpu"].fillna("").str.contains(gpu, case=False, regex=False)]
     keys = ["gpu", "m", "n", "k", "dtype", "layout"]
+    if proposers:
+        from ..leaderboard import contributions
+
+        emit_frame(contributions(df, settings.results), format)
+        return
     if (named := shape_set(shapes, model, tokens, dtype)) is not None:
         if status is not None:
             raise Cudal2Error("a shape set reports the best kernels; it does not combine with --status")
