@@ -10,6 +10,7 @@ these and prints.
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import threading
 from dataclasses import dataclass, field
@@ -202,15 +203,19 @@ def optimize(problems: list[Problem] | Problem, *, proposer: str = "search", ite
             return compilers[0].lookup(render_stage.render(Candidate.from_template(name, params), target)) is not None
 
         # The prebuilt set's measured part (what a first batch can rank in milliseconds), as
-        # far as it is built here; per dtype and layout, whose builds serve every shape.
-        near_best = prebuilt.kernel_set(env["cc"], with_shipped(leaderboard.read(bench=None)), regions=False)
+        # far as it is built here; per dtype and layout, whose builds serve every shape. Read
+        # when a search first asks (an LLM-only run never does).
         built_by_variant: dict[tuple[str, str], list[tuple[str, dict]]] = {}
+
+        @functools.cache
+        def near_best() -> list[prebuilt.Entry]:
+            return prebuilt.kernel_set(env["cc"], with_shipped(leaderboard.read(bench=None)), regions=False)
 
         def built(target: Problem) -> list[tuple[str, dict]]:
             variant = (target.dtype, target.layout)
             if variant not in built_by_variant:
                 built_by_variant[variant] = [
-                    (e.candidate.template, e.candidate.param_dict) for e in near_best
+                    (e.candidate.template, e.candidate.param_dict) for e in near_best()
                     if (e.dtype, e.layout) == variant and cached(target, e.candidate.template, e.candidate.param_dict)]
             return built_by_variant[variant]
 
@@ -279,19 +284,25 @@ def check(shapes: list[Problem] | None = None, *, fail_under: float = 1.0, setti
     with _worker(settings, worker) as gpu:
         for problem in shapes:
             found = select(winners, m=problem.m, n=problem.n, k=problem.k, dtype=problem.dtype, layout=problem.layout)
-            record = {"problem": str(problem), "kernel": None, "recorded": None, "measured": None,
-                      "status": "no kernel", "passed": False}
-            if not found.empty:
-                claim = found.iloc[0]
-                kernel = Candidate.from_source(board.source(claim["source_hash"]), label=claim["kernel"])
-                measured = next(r for r in bench(problem, kernels=[kernel], settings=settings, worker=gpu).rows
-                                if r["kernel"] == claim["kernel"])
-                speedup = measured.get("speedup_offline")
-                record.update(kernel=claim["kernel"], recorded=float(claim["speedup_offline"]), measured=speedup,
-                              status=measured["status"],
-                              passed=measured["status"] == "ok" and speedup is not None and speedup >= fail_under)
-            rows.append(record)
+            if found.empty:
+                rows.append(_check_record(problem, fail_under))
+                continue
+            claim = found.iloc[0]
+            kernel = Candidate.from_source(board.source(claim["source_hash"]), label=claim["kernel"])
+            measured = next(r for r in bench(problem, kernels=[kernel], settings=settings, worker=gpu).rows
+                            if r["kernel"] == claim["kernel"])
+            rows.append(_check_record(problem, fail_under, claim["kernel"], float(claim["speedup_offline"]), measured))
     return CheckResult(fail_under, rows)
+
+
+def _check_record(problem: Problem, fail_under: float, kernel: str | None = None, recorded: float | None = None,
+                  measured: dict[str, Any] | None = None) -> dict[str, Any]:
+    """One shape's line of a check: its kernel's recorded and measured speedup (no kernel,
+    no measurement: it fails)."""
+    speedup = measured.get("speedup_offline") if measured else None
+    status = measured["status"] if measured else "no kernel"
+    return {"problem": str(problem), "kernel": kernel, "recorded": recorded, "measured": speedup, "status": status,
+            "passed": status == "ok" and speedup is not None and speedup >= fail_under}
 
 
 def _check_library(root: Path, shapes: list[Problem] | None, fail_under: float, settings: Settings,
@@ -328,14 +339,10 @@ def _check_library(root: Path, shapes: list[Problem] | None, fail_under: float, 
             measure_baselines(ctx)
             row = measure_row(ctx, Built(Candidate.from_source(source, label=entry.kernel), source, build))
             leaderboard.append([row])
-            speedup = row.get("speedup_offline")
-            rows.append({"problem": str(problem), "kernel": entry.kernel, "recorded": entry.speedup,
-                         "measured": speedup, "status": row["status"],
-                         "passed": row["status"] == "ok" and speedup is not None and speedup >= fail_under})
+            rows.append(_check_record(problem, fail_under, entry.kernel, entry.speedup, row))
     if wanted is not None:  # a shape the library does not serve has no kernel: it fails
         served = {r["problem"] for r in rows}
-        rows += [{"problem": str(p), "kernel": None, "recorded": None, "measured": None, "status": "no kernel",
-                  "passed": False} for p in shapes if str(p) not in served]
+        rows += [_check_record(p, fail_under) for p in shapes if str(p) not in served]
     return CheckResult(fail_under, rows)
 
 

@@ -21,12 +21,12 @@ def dram_bandwidth(device: dict[str, Any]) -> float:
     return device["memory_clock_khz"] * 1e3 * device["memory_bus_bits"] / 8 * 2
 
 
-def _nvidia_smi(device: int) -> dict[str, str]:
-    """Current and maximum SM clock and the driver version, if nvidia-smi answers."""
+def _nvidia_smi(device: int, fields: str = "clocks.sm,clocks.max.sm,driver_version") -> dict[str, str]:
+    """nvidia-smi's `fields` of the device (by default the current and maximum SM clock and
+    the driver version), or {} where it does not answer."""
     smi = shutil.which("nvidia-smi")
     if smi is None:
         return {}
-    fields = "clocks.sm,clocks.max.sm,driver_version"
     try:
         out = subprocess.run(
             [smi, f"--id={device}", f"--query-gpu={fields}", "--format=csv,noheader,nounits"],
@@ -35,21 +35,14 @@ def _nvidia_smi(device: int) -> dict[str, str]:
     except (OSError, subprocess.TimeoutExpired):
         return {}
     values = [v.strip() for v in out.split(",")]
-    return dict(zip(fields.split(","), values)) if len(values) == 3 else {}
+    names = fields.split(",")
+    return dict(zip(names, values)) if len(values) == len(names) else {}
 
 
 def gpu_temperature(device: int = 0) -> int | None:
     """The GPU's core temperature in degrees C (nvidia-smi), or None where it does not answer.
     At the power cap the SM clock a long call runs at depends on it (docs/method.md)."""
-    smi = shutil.which("nvidia-smi")
-    if smi is None:
-        return None
-    try:
-        out = subprocess.run([smi, f"--id={device}", "--query-gpu=temperature.gpu", "--format=csv,noheader,nounits"],
-                             capture_output=True, text=True, timeout=20).stdout.strip()
-    except (OSError, subprocess.TimeoutExpired):
-        return None
-    return _int(out)
+    return _int(_nvidia_smi(device, "temperature.gpu").get("temperature.gpu"))
 
 
 def _int(text: str | None) -> int | None:

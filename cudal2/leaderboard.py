@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import uuid
 import warnings
@@ -254,8 +255,6 @@ def contributions(df: pd.DataFrame, results: Path) -> pd.DataFrame:
     """What each proposer contributed to the rows `df` (one protocol): candidates measured
     or rejected, how many verified, its best speedup, the problems where it holds the best
     kernel, and the LLM tokens its runs spent (llm-usage.jsonl under results/runs/<run id>/)."""
-    import json
-
     kernels = df[~df["kernel"].isin(BASELINES)]
     winners = best(kernels, 1)
     tokens: dict[str, int] = {}

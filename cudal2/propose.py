@@ -301,7 +301,7 @@ class SearchProposer:
         """A first batch with nothing built holds the best configuration of the template that
         compiles fastest (sm80_mma: seconds; a CUTLASS kernel: half a minute and more), so a
         run from an empty cache has a verified kernel while the others compile."""
-        if any(penalty(c.template, json.loads(c.params_json)) <= 1.0 for c in picks):
+        if any(penalty(c.template, c.param_dict) <= 1.0 for c in picks):
             return
         quick = min((t for t in self.templates.values() if t.supports(problem, self.device["cc"])),
                     key=lambda t: t.space.compile_s, default=None)

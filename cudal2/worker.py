@@ -145,7 +145,7 @@ class _Child:
 
     def start(self) -> dict[str, Any]:
         """Starts the worker if needed; returns the device description."""
-        if self._proc is None or not self._proc.is_alive():
+        if not self.started:
             self._start()
         return self.environment
 
