@@ -164,11 +164,15 @@ def optimize(ctx: Context, proposer: Proposer, budget: Budget, *, remeasure: boo
     def verified() -> bool:
         return best_row(history, ctx.mode) is not None
 
-    def measure_batch(built: list[Built], rows: list[dict[str, Any]]) -> bool:
+    held: list[dict[str, Any]] = []  # rows measured ahead of their batch, recorded in its part
+    held_improved = False
+
+    def measure_batch(built: list[Built], rows: list[dict[str, Any]], ahead: bool = False) -> bool:
         """Measures the batch's kernels, until the time budget is spent once a kernel is
         verified (a run never ends without one while it has one to measure); records the
-        rows as one part, even when interrupted. True if the best speedup improved."""
-        nonlocal best_speedup
+        rows as one part, even when interrupted, with any measured `ahead` of the batch (those
+        are held for it). True if the best speedup improved."""
+        nonlocal best_speedup, held_improved
         improved = False
         try:
             for item in built:
@@ -191,7 +195,15 @@ def optimize(ctx: Context, proposer: Proposer, budget: Budget, *, remeasure: boo
                     best_speedup, improved = speedup, True
                 emit("measured", {"row": row, "speedup": speedup, "best_speedup": best_speedup})
         finally:
-            ctx.leaderboard.append(rows)
+            if ahead:
+                held.extend(rows)
+            else:
+                ctx.leaderboard.append(held + rows)
+                held.clear()
+        if ahead:
+            held_improved |= improved
+            return improved
+        improved, held_improved = improved or held_improved, False
         return improved
 
     early: set[str] = set()  # sources measured while their batch was still compiling
@@ -204,7 +216,7 @@ def optimize(ctx: Context, proposer: Proposer, budget: Budget, *, remeasure: boo
             ready = [item for item in list(compiled) if item.build.status == "ok" and item.source not in early]
             if ready:
                 early.add(ready[0].source)
-                measure_batch(ready[:1], [])
+                measure_batch(ready[:1], [], ahead=True)
                 continue
             wait = 0.5 if time_left() is None else min(0.5, time_left())
             try:
@@ -259,6 +271,8 @@ def optimize(ctx: Context, proposer: Proposer, budget: Budget, *, remeasure: boo
                 break
     finally:
         pool.shutdown(wait=False, cancel_futures=True)
+        if held:  # measured ahead of a batch that never came (stopped, interrupted)
+            ctx.leaderboard.append(held)
     out.wall_s = time.monotonic() - start
     out.best = best_row(history, ctx.mode)
     if out.best is not None:

@@ -375,6 +375,28 @@ class Scripted:
         return self.batches.pop(0) if self.batches else []
 
 
+def test_a_kernel_measured_ahead_of_its_batch_is_recorded_in_the_batch_s_one_part(tmp_path):
+    """The built kernel is measured while the other compiles (a few seconds of nvcc), and its
+    row goes into the batch's part with the other's: one part per batch, beside the
+    baselines' part."""
+    from cudal2.compile import Compiler
+
+    compiler = Compiler("sm_90a", tmp_path / "cache")
+    problem = Problem(256, 256, 256)
+    quick = template_candidate("sm80_mma", {}, 90)
+    compiler.compile(render(quick, problem))
+    other = template_candidate("sm80_mma", {"stages": "3"}, 90)  # not built: compiled in the batch
+    order = []
+    out = optimize(context(tmp_path, compiler, StandInWorker()), Scripted([quick, other]),
+                   Budget(iterations=1, batch=2, patience=None),
+                   on_event=lambda kind, info: order.append(info["row"]["kernel"]) if kind == "measured" else None)
+    assert order == [str(quick), str(other)] and out.stopped == "iterations done"
+    parts = list((tmp_path / "results" / "leaderboard").glob("*.parquet"))
+    assert len(parts) == 2
+    kernels = Leaderboard(tmp_path / "results").read()["kernel"]
+    assert sorted(kernels[~kernels.isin(BASELINES)]) == sorted([str(quick), str(other)])
+
+
 def test_a_kernel_built_while_its_batch_compiles_is_measured_at_once(tmp_path):
     """Until a kernel is verified, each build of the compiling batch is measured as soon as
     it is there: the built sm80_mma kernel is measured within the 3 s budget while the
@@ -395,6 +417,7 @@ def test_a_kernel_built_while_its_batch_compiles_is_measured_at_once(tmp_path):
     assert clock.monotonic() - began < 30
     assert out.stopped == "time budget spent (while the next batch compiled)"
     assert len(measured_at) == 1 and measured_at[0] < 3.0
+
     assert out.best is not None and out.best["kernel"] == str(quick) and out.exported.is_file()
     measured = Leaderboard(tmp_path / "results").read()
     assert list(measured[~measured["kernel"].isin(BASELINES)]["kernel"]) == [str(quick)]
