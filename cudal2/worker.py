@@ -254,7 +254,7 @@ def _baselines(problem: Problem, job: dict[str, Any], stream, rng) -> tuple[dict
     here by the graph method."""
     import cupy
 
-    from .baselines import CublasLt, autotune, torch_gemm
+    from .baselines import DEFAULT, CublasLt, autotune, torch_gemm
     from .measure import graph_medians
     from .verify import Kernel
 
@@ -271,11 +271,14 @@ def _baselines(problem: Problem, job: dict[str, Any], stream, rng) -> tuple[dict
         lt.select(_LT_CHOICE[key]["index"])
     else:
         def run_algorithm(name: str, a, b, c) -> None:
-            lt.select(int(name))
-            run["cuBLASLt"](a, b, c)
+            if int(name) == DEFAULT:
+                run["cuBLAS"](a, b, c)
+            else:
+                lt.select(int(name))
+                run["cuBLASLt"](a, b, c)
 
         def medians(indices: list[int]) -> dict[int, float]:
-            found = graph_medians(run_algorithm, [str(i) for i in indices], problem, stream=stream, rng=rng)
+            found = graph_medians(run_algorithm, [str(i) for i in [*indices, DEFAULT]], problem, stream=stream, rng=rng)
             return {int(name): us for name, us in found.items()}
 
         _LT_CHOICE[key] = autotune(lt, problem, medians)

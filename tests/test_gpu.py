@@ -309,7 +309,10 @@ DEV_SET = Path(os.environ.get("DEVSET", ROOT.parent / "shared" / "shapes" / "dev
 @pytest.mark.skipif(not DEV_SET.is_file(), reason=f"the dev shape set ({DEV_SET}; DEVSET=path) is not there")
 def test_cublaslt_autotuned_and_both_methods_hold_over_the_dev_set(context):
     """cuBLASLt autotuned is never slower than cuBLAS's default beyond noise (3%, and 0.15 us
-    for calls under 5 us); CUPTI and in-graph times agree within 5% for calls of 20 us or more."""
+    for calls under 5 us) unless its own autotuning, timing both side by side, found cuBLAS's
+    default faster than every algorithm the heuristic offers (the list lacks that kernel: the
+    best baseline is then cuBLAS); CUPTI and in-graph times agree within 5% for calls of 20 us
+    or more."""
     import pandas as pd
 
     shapes = pd.read_csv(DEV_SET)
@@ -320,8 +323,10 @@ def test_cublaslt_autotuned_and_both_methods_hold_over_the_dev_set(context):
             ctx.problem, ctx.libraries = Problem(r.m, r.n, r.k, r.dtype, r.layout), None
             rows = {row["kernel"]: row for row in measure_baselines(ctx)}
             lt, default = rows["cuBLASLt"], rows["cuBLAS"]
-            if lt["kernel_us"] > max(1.03 * default["kernel_us"], default["kernel_us"] + 0.15):
-                slower.append((str(ctx.problem), lt["kernel_us"], default["kernel_us"]))
+            algo = json.loads(lt["cublaslt_algo"])
+            lacking = algo["us"] > algo["cublas_default_us"]
+            if lt["kernel_us"] > max(1.03 * default["kernel_us"], default["kernel_us"] + 0.15) and not lacking:
+                slower.append((str(ctx.problem), lt["kernel_us"], default["kernel_us"], algo))
             for row in rows.values():
                 if row["kernel_us"] >= 20.0 and abs(row["graph_us"] / row["kernel_us"] - 1) > 0.05:
                     disagree.append((str(ctx.problem), row["kernel"], row["kernel_us"], row["graph_us"]))
