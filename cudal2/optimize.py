@@ -50,6 +50,7 @@ class Outcome:
     compile_s: float = 0.0  # nvcc seconds of the compiles this run ran (not cached)
     duplicates: int = 0  # candidates skipped as already measured or identical binaries
     error: str | None = None  # a shape of a set whose run failed (the set went on without it)
+    first_verified_s: float | None = None  # from the run's start to its first verified kernel
 
     @property
     def statuses(self) -> dict[str, int]:
@@ -189,6 +190,8 @@ def optimize(ctx: Context, proposer: Proposer, budget: Budget, *, remeasure: boo
                 out.gpu_s += time.monotonic() - t0 if item.build.status == "ok" else 0.0
                 rows.append(row)
                 out.rows.append(row)
+                if row["status"] == "ok" and out.first_verified_s is None:
+                    out.first_verified_s = time.monotonic() - start
                 _extend(history, visible, [row])
                 speedup = row.get(metric)
                 if row["status"] == "ok" and speedup and speedup > best_speedup:

@@ -7,7 +7,7 @@ one entry per tuned problem) and `kernels/<source hash>.so` with its source besi
 tuned for exactly the problem; for a problem never tuned, the kernel tuned for the nearest M
 with the same N, K, dtype and layout, but only where M lies within the M values that kernel
 was verified at; otherwise none. A problem whose best kernel was measured slower than the
-library call (a claim below MIN_SPEEDUP) gets no kernel, and is recorded so that the
+library call or tied with it (a claim below MIN_SPEEDUP, 1.03) gets no kernel, and is recorded so that the
 nearest-M rule never hands it another M's kernel. A table built for another GPU or driver
 picks none.
 """
@@ -33,7 +33,10 @@ VERSION_KEYS = ("gpu", "driver")  # a mismatch in any: every call falls back
 # a caller's own runtime may differ on the same machine (torch 2.11's 13.0 beside CuPy's 13.2
 # on the H200) and does not reach the kernels, which carry nvcc's; the driver pins the rest.
 BUILD_KEYS = ("cuda", "nvcc", "cutlass", "arch")
-MIN_SPEEDUP = 1.0  # below it the library call is faster: the op should run that instead
+# The lowest claim exported: below it the library call is faster or ties (the independent
+# check agrees with the protocol within 3%; a 1.00x kernel dispatched in the Llama MLP example
+# read 0.96x inside the block), so the op runs the library call instead.
+MIN_SPEEDUP = 1.03
 
 
 @dataclass(frozen=True)

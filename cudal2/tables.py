@@ -88,6 +88,7 @@ def optimize_summary(problem: Problem, env: dict[str, Any], outcome, run_id: str
         "statuses": outcome.statuses, "contributions": outcome.contributions, "stopped": outcome.stopped,
         "duplicates": outcome.duplicates, "error": outcome.error,
         "wall_s": round(outcome.wall_s, 2), "gpu_s": round(outcome.gpu_s, 2), "compile_s": round(outcome.compile_s, 2),
+        "first_verified_s": None if outcome.first_verified_s is None else round(outcome.first_verified_s, 2),
         "run_id": run_id,
     }
 
@@ -115,8 +116,9 @@ def print_optimize_summary(outcome, mode: str) -> None:
     print("by proposer: " + "; ".join(
         f"{name} {c['candidates']} candidate(s), {c['ok']} ok, best {fmt(c['best_speedup'], 3)}x"
         for name, c in sorted(outcome.contributions.items())))
-    print(f"stopped: {outcome.stopped}; wall {outcome.wall_s:.1f} s, GPU {outcome.gpu_s:.1f} s, "
-          f"compile {outcome.compile_s:.1f} s")
+    first = "-" if outcome.first_verified_s is None else f"{outcome.first_verified_s:.1f} s"
+    print(f"stopped: {outcome.stopped}; wall {outcome.wall_s:.1f} s (first verified kernel at {first}), "
+          f"GPU {outcome.gpu_s:.1f} s, compile {outcome.compile_s:.1f} s")
 
 
 @contextlib.contextmanager

@@ -26,14 +26,14 @@ from .verify import Kernel
 DTYPES = {torch.float16: "fp16", torch.bfloat16: "bf16"}
 # The table, its loaded kernels, and each call shape's choice (a model calls few shapes many
 # times: the lookup is made once per shape, so the op's host cost stays near torch.matmul's).
-_state: dict = {"table": None, "kernels": {}, "chosen": {}}
+_state: dict = {"table": None, "kernels": {}, "chosen": {}, "no_workspace": {}}
 
 
 def use(library: Path | str | None, environment: dict | None = None) -> DispatchTable | None:
     """Serves the ops from the library in `library` (None: the fallback alone). A library
     built for another GPU or driver than `environment` (default: this process's
     current CUDA device) serves nothing, with one warning."""
-    _state.update(table=None, kernels={}, chosen={})
+    _state.update(table=None, kernels={}, chosen={}, no_workspace={})
     if library is None:
         return None
     table = DispatchTable.load(Path(library))
@@ -81,11 +81,32 @@ def _tuned(a: torch.Tensor, b: torch.Tensor, layout: str) -> torch.Tensor | None
     if chosen is None:
         return None
     kernel, size = chosen
-    out = torch.empty((m, n), dtype=a.dtype, device=a.device)
-    workspace = torch.empty(max(1, size), dtype=torch.uint8, device=a.device)
+    device = a.device
+    out = torch.empty((m, n), dtype=a.dtype, device=device)
+    # Most kernels need no workspace; they get a valid pointer all the same, as when verified.
+    workspace = torch.empty(size, dtype=torch.uint8, device=device) if size else _no_workspace(device)
     code = kernel.gemm(a.data_ptr(), b.data_ptr(), out.data_ptr(), m, n, k, workspace.data_ptr(), size,
-                       torch.cuda.current_stream(a.device).cuda_stream)
+                       _stream(device))
     return out if code == 0 else None  # a kernel that declines the shape: the library call runs
+
+
+def _no_workspace(device: torch.device) -> torch.Tensor:
+    """One small buffer per device for the kernels that need no workspace (nothing writes it)."""
+    buffers = _state["no_workspace"]
+    if device not in buffers:
+        buffers[device] = torch.empty(256, dtype=torch.uint8, device=device)
+    return buffers[device]
+
+
+# The current stream's handle as an integer, as code compiled by torch.compile gets it:
+# torch.cuda.current_stream() builds a Stream object each call, a few microseconds of host time.
+_RAW_STREAM = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+
+
+def _stream(device: torch.device) -> int:
+    if _RAW_STREAM is not None:
+        return _RAW_STREAM(device.index if device.index is not None else torch.cuda.current_device())
+    return torch.cuda.current_stream(device).cuda_stream
 
 
 # Defined through torch.library.Library, not torch.library.custom_op, whose wrapper cost 7.7

@@ -417,7 +417,7 @@ def test_a_kernel_built_while_its_batch_compiles_is_measured_at_once(tmp_path):
     assert clock.monotonic() - began < 30
     assert out.stopped == "time budget spent (while the next batch compiled)"
     assert len(measured_at) == 1 and measured_at[0] < 3.0
-
+    assert out.first_verified_s is not None and out.first_verified_s <= measured_at[0]  # what the summary says
     assert out.best is not None and out.best["kernel"] == str(quick) and out.exported.is_file()
     measured = Leaderboard(tmp_path / "results").read()
     assert list(measured[~measured["kernel"].isin(BASELINES)]["kernel"]) == [str(quick)]

@@ -63,8 +63,8 @@ def test_export_writes_the_best_kernels_and_a_table_that_loads(tmp_path, cache_d
     source = (ROOT / "examples" / "simt_gemm_fp16_nn.cu").read_text()
     digest = board.store_source(source)
     facts = {**{k: VERSIONS[k] for k in ("driver", "cuda", "arch")}, "source_hash": digest, "n": 4096, "k": 4096}
-    board.append([row("simt", 1.02, m=64, **facts), row("simt", 1.01, m=128, **facts),
-                  row("simt", 0.97, m=96, **facts),  # slower than the library call there
+    board.append([row("simt", 1.06, m=64, **facts), row("simt", 1.04, m=128, **facts),
+                  row("simt", 1.01, m=96, **facts),  # a tie with the library call there: no win
                   row("other-gpu", 1.5, m=64, **{**facts, "gpu": "NVIDIA A100-SXM4-80GB"})])
     out = tmp_path / "lib"
     result = CliRunner(env={"CUDAL2_CACHE_DIR": str(cache_dir)}).invoke(
@@ -74,7 +74,7 @@ def test_export_writes_the_best_kernels_and_a_table_that_loads(tmp_path, cache_d
     assert table.versions["gpu"] == "NVIDIA H200" and len(table.entries) == 2
     chosen = table.choose(100, 4096, 4096, "fp16", "nn")  # between the tuned Ms, all verified 64..128
     assert chosen.m == 128 and chosen.verified_m == (64, 96, 128) and (out / chosen.library).is_file()
-    # M=96 lost to the library call: neither its own kernel nor a neighbour's serves it
+    # M=96 only tied the library call: neither its own kernel nor a neighbour's serves it
     assert table.choose(96, 4096, 4096, "fp16", "nn") is None
     assert DispatchTable.load(out).choose(96, 4096, 4096, "fp16", "nn") is None
     assert json.loads(result.output)["library_call"] == [[96, 4096, 4096, "fp16", "nn"]]
