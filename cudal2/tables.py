@@ -13,7 +13,7 @@ import pandas as pd
 from rich.console import Console
 from rich.table import Table
 
-from .bench import STUDY_PROTOCOLS
+from .bench import STUDY_PROTOCOLS, TIE
 from .leaderboard import best, select
 from .problem import Problem
 
@@ -93,13 +93,24 @@ def optimize_summary(problem: Problem, env: dict[str, Any], outcome, run_id: str
     }
 
 
+def verdicts(speedups: list[float]) -> dict[str, int]:
+    """How many speedups are wins, ties (within TIE of 1.0) and losses."""
+    return {"wins": sum(v >= 1 + TIE for v in speedups), "ties": sum(1 - TIE < v < 1 + TIE for v in speedups),
+            "losses": sum(v <= 1 - TIE for v in speedups)}
+
+
+def verdict_line(summary: dict[str, Any]) -> str:
+    return (f"{summary['wins']} win(s), {summary['ties']} tie(s), {summary['losses']} loss(es) "
+            f"(within {TIE:.0%} of 1.0 is a tie: what a claim moves between runs)")
+
+
 def set_summary(summaries: list[dict[str, Any]], mode: str) -> dict[str, Any]:
     """Over a shape set's runs: how many found a verified kernel, the geometric mean and
     minimum of their best speedups, the wall time."""
     speedups = [s["best"][f"speedup_{mode}"] for s in summaries if s["best"] and s["best"].get(f"speedup_{mode}")]
     return {"shapes": len(summaries), "tuned": len(speedups),
             "geomean_speedup": math.exp(sum(map(math.log, speedups)) / len(speedups)) if speedups else None,
-            "min_speedup": min(speedups) if speedups else None,
+            "min_speedup": min(speedups) if speedups else None, **verdicts(speedups),
             "wall_s": round(sum(s["wall_s"] for s in summaries), 2)}
 
 
@@ -194,6 +205,7 @@ def report_shapes(df: pd.DataFrame, problems: list[Problem], format: str) -> pd.
         "shapes": len(problems), "measured": int(len(speedups)), "missing": int(frame["speedup_offline"].isna().sum()),
         "geomean_speedup": float(math.exp(sum(math.log(v) for v in speedups) / len(speedups))) if len(speedups) else None,
         "min_speedup": float(speedups.min()) if len(speedups) else None,
+        **verdicts(list(speedups)),
     }
     if format == "json":
         print(json.dumps({"rows": jsonable(frame.to_dict("records")), "summary": summary}, indent=1))
@@ -202,7 +214,8 @@ def report_shapes(df: pd.DataFrame, problems: list[Problem], format: str) -> pd.
         if format != "csv":
             print(f"{summary['measured']} of {summary['shapes']} shapes measured; speedup over the fastest library "
                   "call (lower of CUPTI and graph): geometric "
-                  f"mean {fmt(summary['geomean_speedup'], 3)}, minimum {fmt(summary['min_speedup'], 3)}")
+                  f"mean {fmt(summary['geomean_speedup'], 3)}, minimum {fmt(summary['min_speedup'], 3)}; "
+                  + verdict_line(summary))
     return pd.concat(chosen) if chosen else winners.iloc[0:0]
 
 

@@ -148,8 +148,19 @@ def test_leaderboard_reports_a_shape_set_with_its_geometric_mean(results, tmp_pa
     summary = report["summary"]
     assert (summary["shapes"], summary["measured"], summary["missing"]) == (3, 2, 1)
     assert summary["geomean_speedup"] == pytest.approx((0.9 * 1.3) ** 0.5) and summary["min_speedup"] == 0.9
-    assert "geometric mean 1.082, minimum 0.900" in run("leaderboard", "--results", results, "--shapes", shapes).output
+    assert (summary["wins"], summary["ties"], summary["losses"]) == (1, 0, 1)  # 1.3 and 0.9
+    printed = run("leaderboard", "--results", results, "--shapes", shapes).output
+    assert "geometric mean 1.082, minimum 0.900; 1 win(s), 0 tie(s), 1 loss(es)" in printed
     one_line_error(run("leaderboard", "--results", results, "--shapes", tmp_path / "nope.csv"), "cannot read shape set")
+
+
+def test_a_tuned_shape_sets_summary_counts_ties_apart_from_wins_and_losses():
+    from cudal2.tables import set_summary, verdict_line
+
+    runs = [{"best": {"speedup_offline": v}, "wall_s": 1.0} for v in (1.05, 1.02, 0.99, 0.96)] + [{"best": None, "wall_s": 2.0}]
+    total = set_summary(runs, "offline")
+    assert (total["tuned"], total["wins"], total["ties"], total["losses"]) == (4, 1, 2, 1) and total["wall_s"] == 6.0
+    assert verdict_line(total).startswith("1 win(s), 2 tie(s), 1 loss(es) (within 3% of 1.0 is a tie")
 
 
 def test_leaderboard_exports_the_best_kernels_as_self_contained_files(tmp_path):
@@ -197,6 +208,7 @@ def test_leaderboard_shows_one_protocol_and_never_mixes_them(tmp_path):
     report = json.loads(run("leaderboard", "--results", tmp_path, "--shapes", shapes, "--format", "json").output)
     assert [r["kernel"] for r in report["rows"]] == ["(none measured)", "now"]
     assert report["summary"]["geomean_speedup"] == pytest.approx(1.01)
+    assert (report["summary"]["wins"], report["summary"]["ties"]) == (0, 1)  # 1.01 is inside the runs' spread
     one_line_error(run("leaderboard", "--results", tmp_path, "--bench", "warm"), "unknown --bench 'warm'")
 
 

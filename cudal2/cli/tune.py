@@ -15,7 +15,7 @@ from ..errors import Cudal2Error
 from ..leaderboard import BASELINES
 from ..problem import DTYPES, Problem
 from ..tables import (console, err_console, fmt, jsonable, optimize_summary, print_bench_table, print_optimize_summary,
-                      progress_display, set_summary)
+                      progress_display, set_summary, verdict_line)
 from . import (Arch, Dtype, Json, K, Kernels, Layout, M, ModelOpt, N, Params, Results, ShapesOpt, TemplateOpt,
                TokensOpt, app, cli_errors, parse_params, problems_of, read_kernel_file)
 
@@ -181,7 +181,7 @@ def optimize(
         total = set_summary(summaries, mode)
         print(f"{total['tuned']} of {total['shapes']} shapes with a verified kernel; speedup over the fastest library "
               f"call: geometric mean {fmt(total['geomean_speedup'], 3)}, minimum {fmt(total['min_speedup'], 3)}; "
-              f"wall {total['wall_s']:.1f} s")
+              f"{verdict_line(total)}; wall {total['wall_s']:.1f} s")
     if failed := [(p, o.error) for p, o in zip(problems, outcomes) if o.error]:
         for problem, error in failed:
             err_console.print(f"error: {problem}: {error}")
