@@ -64,6 +64,36 @@ def test_gradients_through_the_ops_are_the_library_calls_gradients():
         assert all(torch.allclose(g, e) for g, e in zip(got, expected))
 
 
+def test_the_ops_autograd_holds_under_aot_tracing_and_a_dispatch_mode_sees_the_op():
+    """The op's own autograd kernel (lighter than register_autograd's: 3.4 against 5.9 us a
+    call here): opcheck's autograd and AOT checks pass, torch.compile through AOTAutograd gets
+    the library call's gradients, and a dispatch mode (a profiler, a FLOP counter) still sees
+    the op rather than the call it runs."""
+    import torch.nn.functional as F
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    x, w = torch.randn(4, 8, requires_grad=True), torch.randn(6, 8, requires_grad=True)
+    torch.library.opcheck(torch.ops.cudal2.linear.default, (x, w))
+    torch.library.opcheck(torch.ops.cudal2.mm.default, (x, w.t().detach().requires_grad_()))
+    compiled = torch.compile(lambda a, b: torch.ops.cudal2.linear(a, b).pow(2).sum(), fullgraph=True,
+                             backend="aot_eager")
+    expected = torch.autograd.grad(F.linear(x, w).pow(2).sum(), (x, w))
+    assert all(torch.allclose(g, e) for g, e in zip(torch.autograd.grad(compiled(x, w), (x, w)), expected))
+
+    class Seen(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.ops = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.ops.append(str(func))
+            return func(*args, **(kwargs or {}))
+
+    with torch.no_grad(), Seen() as seen:
+        torch.ops.cudal2.linear(x, w)
+    assert seen.ops[0] == "cudal2.linear.default", seen.ops
+
+
 def test_a_patched_layer_answers_alike_in_inference_training_and_compiled(tmp_path):
     """Eager inference takes the op's function without the dispatcher (host cost: a layer of
     a decode step runs in microseconds); with gradients, or traced, the op itself."""
