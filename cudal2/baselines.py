@@ -202,5 +202,60 @@ def autotune(lt: CublasLt, problem: Problem, medians) -> dict[str, Any]:
     return record
 
 
+# cuBLASLt's autotuned choice per problem, kept for the process's life (its later jobs).
+_LT_CHOICE: dict[tuple, dict[str, Any]] = {}
+
+
+def abi_call(kernel, workspace, problem: Problem, stream, name: str):
+    """run(a, b, c) for a library implementing the kernel ABI; a non-zero return is an error."""
+    from .verify import Rejected
+
+    def run(a, b, c) -> None:
+        code = kernel.gemm(a.data.ptr, b.data.ptr, c.data.ptr, problem.m, problem.n, problem.k,
+                           workspace.data.ptr, workspace.nbytes, stream.ptr)
+        if code != 0:
+            raise Rejected("cheat", f"{name}: cudal2_gemm returned {code} while timed, 0 while verified")
+
+    return run
+
+
+def library_calls(problem: Problem, job: dict[str, Any], stream, rng) -> tuple[dict, dict]:
+    """run(a, b, c) of each baseline, cuBLASLt autotuned for this problem (its record): the
+    job's choice (made in the graph process) or this process's earlier one, else autotuned
+    here by the graph method."""
+    import cupy
+
+    from .measure import graph_medians
+    from .verify import Kernel
+
+    libraries = job["libraries"]
+    blas = Kernel(libraries["cuBLAS"])
+    lt = CublasLt(libraries["cuBLASLt"])
+    run = {name: abi_call(kernel, cupy.empty(kernel.workspace_bytes(problem.m, problem.n, problem.k), cupy.uint8),
+                          problem, stream, name) for name, kernel in (("cuBLAS", blas), ("cuBLASLt", lt.kernel))}
+    key = (problem.m, problem.n, problem.k, problem.dtype, problem.layout)
+    if job.get("cublaslt"):
+        _LT_CHOICE[key] = job["cublaslt"]
+    if key in _LT_CHOICE:
+        lt.algorithms(problem)
+        lt.select(_LT_CHOICE[key]["index"])
+    else:
+        def run_algorithm(name: str, a, b, c) -> None:
+            if int(name) == DEFAULT:
+                run["cuBLAS"](a, b, c)
+            else:
+                lt.select(int(name))
+                run["cuBLASLt"](a, b, c)
+
+        def medians(indices: list[int]) -> dict[int, float]:
+            found = graph_medians(run_algorithm, [str(i) for i in [*indices, DEFAULT]], problem, stream=stream, rng=rng)
+            return {int(name): us for name, us in found.items()}
+
+        _LT_CHOICE[key] = autotune(lt, problem, medians)
+    if (torch_run := torch_gemm(problem, stream)) is not None:
+        run["torch.matmul"] = torch_run
+    return run, _LT_CHOICE[key]
+
+
 def algo_json(record: dict[str, Any] | None) -> str | None:
     return json.dumps(record, sort_keys=True) if record else None

@@ -14,6 +14,7 @@ import time
 import traceback
 from typing import Any
 
+from .baselines import abi_call, library_calls
 from .bench import STUDY_PROTOCOLS, study_job
 from .environment import gpu_temperature
 from .errors import Cudal2Error
@@ -231,62 +232,6 @@ def _serve(conn, device: int, cupti: bool) -> None:
 
 # The open timing session of this process (a job's measure.Session, between its rounds).
 _SESSION: dict[str, Any] = {}
-# cuBLASLt's autotuned choice per problem, kept for the process's life (its later jobs).
-_LT_CHOICE: dict[tuple, dict[str, Any]] = {}
-
-
-def _abi_call(kernel, workspace, problem: Problem, stream, name: str):
-    """run(a, b, c) for a library implementing the kernel ABI; a non-zero return is an error."""
-    from .verify import Rejected
-
-    def run(a, b, c) -> None:
-        code = kernel.gemm(a.data.ptr, b.data.ptr, c.data.ptr, problem.m, problem.n, problem.k,
-                           workspace.data.ptr, workspace.nbytes, stream.ptr)
-        if code != 0:
-            raise Rejected("cheat", f"{name}: cudal2_gemm returned {code} while timed, 0 while verified")
-
-    return run
-
-
-def _baselines(problem: Problem, job: dict[str, Any], stream, rng) -> tuple[dict, dict]:
-    """run(a, b, c) of each baseline, cuBLASLt autotuned for this problem (its record): the
-    job's choice (made in the graph process) or this process's earlier one, else autotuned
-    here by the graph method."""
-    import cupy
-
-    from .baselines import DEFAULT, CublasLt, autotune, torch_gemm
-    from .measure import graph_medians
-    from .verify import Kernel
-
-    libraries = job["libraries"]
-    blas = Kernel(libraries["cuBLAS"])
-    lt = CublasLt(libraries["cuBLASLt"])
-    run = {name: _abi_call(kernel, cupy.empty(kernel.workspace_bytes(problem.m, problem.n, problem.k), cupy.uint8),
-                           problem, stream, name) for name, kernel in (("cuBLAS", blas), ("cuBLASLt", lt.kernel))}
-    key = (problem.m, problem.n, problem.k, problem.dtype, problem.layout)
-    if job.get("cublaslt"):
-        _LT_CHOICE[key] = job["cublaslt"]
-    if key in _LT_CHOICE:
-        lt.algorithms(problem)
-        lt.select(_LT_CHOICE[key]["index"])
-    else:
-        def run_algorithm(name: str, a, b, c) -> None:
-            if int(name) == DEFAULT:
-                run["cuBLAS"](a, b, c)
-            else:
-                lt.select(int(name))
-                run["cuBLASLt"](a, b, c)
-
-        def medians(indices: list[int]) -> dict[int, float]:
-            found = graph_medians(run_algorithm, [str(i) for i in [*indices, DEFAULT]], problem, stream=stream, rng=rng)
-            return {int(name): us for name, us in found.items()}
-
-        _LT_CHOICE[key] = autotune(lt, problem, medians)
-    if (torch_run := torch_gemm(problem, stream)) is not None:
-        run["torch.matmul"] = torch_run
-    return run, _LT_CHOICE[key]
-
-
 def _methods(job: dict[str, Any]) -> tuple[str, ...]:
     """The timing methods of this job's phase: the graph process's, or the CUPTI process's."""
     return ("kernel", "server") if job.get("phase") == "cupti" else ("graph",)
@@ -316,9 +261,9 @@ def _kernel_job(job: dict[str, Any], environment: dict[str, Any], timer) -> dict
                 return result
             if job["settings"].get("protocol") in STUDY_PROTOCOLS:
                 return {**result, **study_job(job, environment, stream, rng, kernel)}
-        run, record = _baselines(problem, job, stream, rng)
+        run, record = library_calls(problem, job, stream, rng)
         workspace = cupy.empty(max(1, kernel.workspace_bytes(problem.m, problem.n, problem.k)), cupy.uint8)
-        run = {"kernel": _abi_call(kernel, workspace, problem, stream, "kernel"), **run}
+        run = {"kernel": abi_call(kernel, workspace, problem, stream, "kernel"), **run}
         tolerance = {name: 2 * UNIT_ROUNDOFF[problem.dtype] for name in run}
         tolerance["kernel"] = job["tolerance"] if cupti_phase else verdict.tolerance
         try:
@@ -423,7 +368,7 @@ def _baselines_job(job: dict[str, Any], environment: dict[str, Any], timer) -> d
     with stream:
         if job["settings"].get("protocol") in STUDY_PROTOCOLS:
             return {"status": "ok", **study_job(job, environment, stream, rng, None)}
-        run, record = _baselines(problem, job, stream, rng)
+        run, record = library_calls(problem, job, stream, rng)
         errors = {}
         if job.get("phase") != "cupti":
             ops = Operands(problem, 0, num)
