@@ -365,8 +365,9 @@ def export(library: Path, *, gpu: str | None = None, shapes: list[Problem] | Non
            settings: Settings | None = None, min_speedup: float = MIN_SPEEDUP):
     """Builds the dispatch library (cudal2/runtime.py) of the best kernel per problem of
     this protocol (of `shapes` if given) on one GPU (`gpu`: part of its name) into
-    `library`; a problem whose best claim is below `min_speedup` (default: the library
-    call's own speed) is left to the library call. Returns its DispatchTable."""
+    `library`; a problem whose best claim is below `min_speedup` (default: runtime's
+    MIN_SPEEDUP, 1.03: a claim within the runs' spread of 1.0 is a tie) is left to the
+    library call. Returns its DispatchTable."""
     from .runtime import export_library
 
     settings = settings or load_settings()

@@ -15,6 +15,7 @@ import pandas as pd
 from .environment import tensor_peak
 from .leaderboard import BASELINES, best
 from .problem import Problem
+from .tables import speedup_summary, verdict_line
 
 PLOTS = ("speedup", "roofline", "templates", "tuning")
 
@@ -128,8 +129,7 @@ def write_report(rows: pd.DataFrame, out: Path, shapes: list[Problem] | None = N
             "templates": _template_plot(winners), "tuning": _tuning_plot(rows, winners)}
     for name, data in pngs.items():
         (out / f"{name}.png").write_bytes(data)
-    speedups = winners["speedup_offline"]
-    geomean = math.exp(sum(math.log(v) for v in speedups) / len(speedups))
+    summary = speedup_summary([float(v) for v in winners["speedup_offline"]])
     table = "\n".join(
         f"<tr><td>{html.escape(_label(r))}</td><td>{html.escape(str(r.kernel))}</td><td>{r.kernel_us:.2f}</td>"
         f"<td>{r.graph_us:.2f}</td><td>{html.escape(str(r.baseline))}</td><td>{r.baseline_offline_us:.2f}</td>"
@@ -145,7 +145,7 @@ overflow-wrap:anywhere}}img{{max-width:100%}}</style></head><body>
 <h1>cudal2 report: {gpu}</h1>
 <p>{len(winners)} shapes; speedup over the fastest library call (the lower of CUPTI and in-graph
 ratios, bench protocol <code>{html.escape(str(winners.iloc[0]["bench"]))}</code>): geometric mean
-<b>{geomean:.3f}</b>, minimum <b>{speedups.min():.3f}</b>.</p>
+<b>{summary["geomean_speedup"]:.3f}</b>, minimum <b>{summary["min_speedup"]:.3f}</b>; {html.escape(verdict_line(summary))}.</p>
 <table><tr><th>shape</th><th>best kernel</th><th>kernel us</th><th>graph us</th><th>fastest baseline</th>
 <th>its us</th><th>speedup</th><th>TFLOP/s</th></tr>
 {table}

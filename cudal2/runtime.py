@@ -7,8 +7,8 @@ one entry per tuned problem) and `kernels/<source hash>.so` with its source besi
 tuned for exactly the problem; for a problem never tuned, the kernel tuned for the nearest M
 with the same N, K, dtype and layout, but only where M lies within the M values that kernel
 was verified at; otherwise none. A problem whose best kernel was measured slower than the
-library call or tied with it (a claim below MIN_SPEEDUP, 1.03) gets no kernel, and is recorded so that the
-nearest-M rule never hands it another M's kernel. A table built for another GPU or driver
+library call or tied with it (a claim below MIN_SPEEDUP) gets no kernel, and is recorded
+so that the nearest-M rule never hands it another M's kernel. A table built for another GPU or driver
 picks none.
 """
 

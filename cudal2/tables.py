@@ -93,9 +93,12 @@ def optimize_summary(problem: Problem, env: dict[str, Any], outcome, run_id: str
     }
 
 
-def verdicts(speedups: list[float]) -> dict[str, int]:
-    """How many speedups are wins, ties (within TIE of 1.0) and losses."""
-    return {"wins": sum(v >= 1 + TIE for v in speedups), "ties": sum(1 - TIE < v < 1 + TIE for v in speedups),
+def speedup_summary(speedups: list[float]) -> dict[str, Any]:
+    """A set's best speedups in brief: geometric mean, minimum, and how many are wins, ties
+    (within TIE of 1.0) and losses."""
+    return {"geomean_speedup": math.exp(sum(map(math.log, speedups)) / len(speedups)) if speedups else None,
+            "min_speedup": min(speedups) if speedups else None,
+            "wins": sum(v >= 1 + TIE for v in speedups), "ties": sum(1 - TIE < v < 1 + TIE for v in speedups),
             "losses": sum(v <= 1 - TIE for v in speedups)}
 
 
@@ -108,9 +111,7 @@ def set_summary(summaries: list[dict[str, Any]], mode: str) -> dict[str, Any]:
     """Over a shape set's runs: how many found a verified kernel, the geometric mean and
     minimum of their best speedups, the wall time."""
     speedups = [s["best"][f"speedup_{mode}"] for s in summaries if s["best"] and s["best"].get(f"speedup_{mode}")]
-    return {"shapes": len(summaries), "tuned": len(speedups),
-            "geomean_speedup": math.exp(sum(map(math.log, speedups)) / len(speedups)) if speedups else None,
-            "min_speedup": min(speedups) if speedups else None, **verdicts(speedups),
+    return {"shapes": len(summaries), "tuned": len(speedups), **speedup_summary(speedups),
             "wall_s": round(sum(s["wall_s"] for s in summaries), 2)}
 
 
@@ -203,9 +204,7 @@ def report_shapes(df: pd.DataFrame, problems: list[Problem], format: str) -> pd.
     speedups = frame["speedup_offline"].dropna()
     summary = {
         "shapes": len(problems), "measured": int(len(speedups)), "missing": int(frame["speedup_offline"].isna().sum()),
-        "geomean_speedup": float(math.exp(sum(math.log(v) for v in speedups) / len(speedups))) if len(speedups) else None,
-        "min_speedup": float(speedups.min()) if len(speedups) else None,
-        **verdicts(list(speedups)),
+        **speedup_summary([float(v) for v in speedups]),
     }
     if format == "json":
         print(json.dumps({"rows": jsonable(frame.to_dict("records")), "summary": summary}, indent=1))

@@ -232,6 +232,8 @@ def _serve(conn, device: int, cupti: bool) -> None:
 
 # The open timing session of this process (a job's measure.Session, between its rounds).
 _SESSION: dict[str, Any] = {}
+
+
 def _methods(job: dict[str, Any]) -> tuple[str, ...]:
     """The timing methods of this job's phase: the graph process's, or the CUPTI process's."""
     return ("kernel", "server") if job.get("phase") == "cupti" else ("graph",)

@@ -235,6 +235,7 @@ def test_report_writes_a_self_contained_page_with_its_plots(tmp_path):
     result = run("report", "--out", out, "--results", tmp_path)
     assert result.exit_code == 0, result.output
     page = (out / "index.html").read_text()
+    assert "1 win(s)" in page  # 1.05 wins; the fenced row's 2.0 is another protocol's
     for plot in ("speedup", "roofline", "templates", "tuning"):
         assert (out / f"{plot}.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
         assert f'alt="{plot}" src="data:image/png;base64,' in page  # embedded: the page stands alone
