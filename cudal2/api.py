@@ -312,7 +312,7 @@ def _check_library(root: Path, shapes: list[Problem] | None, fail_under: float, 
     measurements go to the results directory as a bench's do. A library built for another
     GPU model is refused; one built with another driver or toolkit is what a check is for."""
     from .compile import Build, library_symbols
-    from .pipeline import Built, measure_row
+    from .pipeline import Built, measure_rows
     from .runtime import DispatchTable
 
     table = DispatchTable.load(root)
@@ -337,7 +337,7 @@ def _check_library(root: Path, shapes: list[Problem] | None, fail_under: float, 
                           exports=exports, imports=imports)
             ctx = Context(problem, settings, gpu, compiler, leaderboard, run_id)
             measure_baselines(ctx)
-            row = measure_row(ctx, Built(Candidate.from_source(source, label=entry.kernel), source, build))
+            row, = measure_rows(ctx, [Built(Candidate.from_source(source, label=entry.kernel), source, build)])
             leaderboard.append([row])
             rows.append(_check_record(problem, fail_under, entry.kernel, entry.speedup, row))
     if wanted is not None:  # a shape the library does not serve has no kernel: it fails

@@ -71,6 +71,7 @@ def describe_device(device: int = 0) -> dict[str, Any]:
         "cuda": f"{runtime // 1000}.{runtime % 1000 // 10}",
         "cupy": cupy.__version__,
         "l2_bytes": props["l2CacheSize"],
+        "memory_bytes": props["totalGlobalMem"],
         "smem_optin_bytes": props["sharedMemPerBlockOptin"],
         "memory_clock_khz": props["memoryClockRate"],
         "memory_bus_bits": props["memoryBusWidth"],

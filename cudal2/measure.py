@@ -185,16 +185,16 @@ class Session:
 
     "cuBLAS" must be among the contestants: every output of every timed call is compared
     with cuBLAS's on the same inputs, within `tolerance[name]` (relative to max |C|) plus
-    cuBLAS's own; a `suspect` whose output differs is a cheat (it was verified first), a
-    baseline wrong (Rejected, from round() or finish()).
+    cuBLAS's own; one of the `suspects` whose output differs is a cheat (it was verified
+    first), a baseline wrong (Rejected, naming the contestant, from round() or finish()).
     """
 
     def __init__(self, run: dict[str, Callable], problem: Problem, *, stream, environment: dict[str, Any],
                  settings: dict[str, Any], rng: random.Random, tolerance: dict[str, float],
-                 methods: tuple[str, ...], timer: CuptiTimer | None = None, suspect: str = "kernel"):
+                 methods: tuple[str, ...], timer: CuptiTimer | None = None, suspects: frozenset[str] = frozenset()):
         import cupy
 
-        self.run, self.stream, self.timer, self.tolerance, self.suspect = run, stream, timer, tolerance, suspect
+        self.run, self.stream, self.timer, self.tolerance, self.suspects = run, stream, timer, tolerance, suspects
         self.num = Numerics(problem.dtype)
         self.names = list(run)
         self.sets = InputSets(problem, self.num, self.names, rng)
@@ -242,8 +242,8 @@ class Session:
         bound = (self.tolerance[name] + 2 * UNIT_ROUNDOFF[self.num.dtype]) / 4
         _, _, why = compare(self.sets.c[name][s], ref, self.num, bound)
         if why:
-            raise Rejected("cheat" if name == self.suspect else "wrong",
-                           f"{name}: output of a timed call differs from cuBLAS's on the same inputs ({why})")
+            raise Rejected("cheat" if name in self.suspects else "wrong",
+                           f"{name}: output of a timed call differs from cuBLAS's on the same inputs ({why})", name)
 
     def lead(self, name: str, s: int) -> None:
         """The other sets' calls, untimed, right before a timed call on set `s`."""

@@ -21,7 +21,7 @@ from .candidate import Candidate
 from .compile import flags
 from .errors import Cudal2Error
 from .leaderboard import BASELINES, Leaderboard, select, source_hash
-from .pipeline import Built, Context, build_all, invalid_row, measure_baselines, measure_row
+from .pipeline import Built, Context, build_all, invalid_row, measure_baselines, measure_rows, session_size
 from .problem import Problem
 from .propose import Proposer, from_proposer
 from .render import render
@@ -102,7 +102,8 @@ def optimize(ctx: Context, proposer: Proposer, budget: Budget, *, remeasure: boo
 
     t0 = time.monotonic()
     baseline_rows = measure_baselines(ctx)
-    out.gpu_s += time.monotonic() - t0
+    baseline_s = time.monotonic() - t0
+    out.gpu_s += baseline_s
     out.rows += baseline_rows
     history += baseline_rows
     if remeasure:
@@ -168,35 +169,54 @@ def optimize(ctx: Context, proposer: Proposer, budget: Budget, *, remeasure: boo
     held: list[dict[str, Any]] = []  # rows measured ahead of their batch, recorded in its part
     held_improved = False
 
+    # Seconds a kernel takes on the GPU, from this run's latest session (at first, the
+    # baselines' session): a time budget is spent in sessions that fit it.
+    per_kernel_s = [baseline_s]
+
+    def sessions(items: list[Built]):
+        """The batch's kernels, session by session (next_session)."""
+        items = list(items)
+        while items:
+            size = next_session(len(items), session_size(ctx), time_left(), per_kernel_s[-1])
+            yield items[:size]
+            del items[:size]
+
     def measure_batch(built: list[Built], rows: list[dict[str, Any]], ahead: bool = False) -> bool:
-        """Measures the batch's kernels, until the time budget is spent once a kernel is
-        verified (a run never ends without one while it has one to measure); records the
-        rows as one part, even when interrupted, with any measured `ahead` of the batch (those
-        are held for it). True if the best speedup improved."""
+        """Measures the batch's kernels, session by session, until the time budget is spent
+        once a kernel is verified (a run never ends without one while it has one to measure);
+        records the rows as one part, even when interrupted, with any measured `ahead` of
+        the batch (those are held for it). True if the best speedup improved."""
         nonlocal best_speedup, held_improved
         improved = False
+        fresh, binaries = [], {}
+        for item in built:
+            binary = _binary_hash(item)
+            if binary is not None and (binary in seen_binaries or binary in binaries.values()):
+                out.duplicates += 1
+                continue
+            fresh.append(item)
+            binaries[item.source] = binary
         try:
-            for item in built:
+            for session in sessions(fresh):
                 if over_time() and verified():
                     break
-                binary = _binary_hash(item)
-                if binary is not None and binary in seen_binaries:
-                    out.duplicates += 1
-                    continue
-                if binary is not None:
-                    seen_binaries.add(binary)
+                seen_binaries.update(b for item in session if (b := binaries[item.source]) is not None)
                 t0 = time.monotonic()
-                row = measure_row(ctx, item)
-                out.gpu_s += time.monotonic() - t0 if item.build.status == "ok" else 0.0
-                rows.append(row)
-                out.rows.append(row)
-                if row["status"] == "ok" and out.first_verified_s is None:
-                    out.first_verified_s = time.monotonic() - start
-                _extend(history, visible, [row])
-                speedup = row.get(metric)
-                if row["status"] == "ok" and speedup and speedup > best_speedup:
-                    best_speedup, improved = speedup, True
-                emit("measured", {"row": row, "speedup": speedup, "best_speedup": best_speedup})
+                measured = measure_rows(ctx, session)
+                on_gpu = sum(item.build.status == "ok" for item in session)
+                if on_gpu:
+                    out.gpu_s += time.monotonic() - t0
+                    per_kernel_s.append((time.monotonic() - t0) / on_gpu)
+                for row in measured:
+                    rows.append(row)
+                    out.rows.append(row)
+                    if row["status"] == "ok" and out.first_verified_s is None:
+                        out.first_verified_s = time.monotonic() - start
+                    _extend(history, visible, [row])
+                    speedup = row.get(metric)
+                    if row["status"] == "ok" and speedup and speedup > best_speedup:
+                        best_speedup, improved = speedup, True
+                    emit("measured", {"row": row, "speedup": speedup, "best_speedup": best_speedup})
         finally:
             if ahead:
                 held.extend(rows)
@@ -335,6 +355,16 @@ def optimize_shapes(problems: list[Problem], context: Callable[[Problem, int], C
     if failures:
         raise failures[0]
     return outcomes
+
+
+def next_session(kernels: int, most: int, time_left: float | None, per_kernel_s: float) -> int:
+    """How many of a batch's `kernels` the next session times: all that memory allows
+    (`most`), and with a time budget, those the time left is expected to hold at
+    `per_kernel_s` each, but at least one."""
+    size = min(kernels, most)
+    if time_left is not None and per_kernel_s > 0:
+        size = max(1, min(size, int(time_left / per_kernel_s)))
+    return size
 
 
 def _extend(history: list, visible: list, rows: list) -> None:

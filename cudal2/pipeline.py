@@ -8,11 +8,11 @@ from __future__ import annotations
 
 import uuid
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
-from .baselines import COLUMN, NAMES as BASELINES, algo_json, build_baselines
-from .bench import OFFLINE_METHODS, PROTOCOL, claimed
+from .baselines import COLUMN, NAMES as BASELINES, algo_json, build_baselines, choose_finalist
+from .bench import INPUT_SETS, OFFLINE_METHODS, PROTOCOL, claimed
 from .candidate import Candidate
 from .compile import Build, Compiler
 from .config import Settings
@@ -47,6 +47,8 @@ class Context:
     model: str | None = None
     protocol: str = PROTOCOL  # an earlier offline protocol only for study (`cudal2 bench --bench`)
     libraries: dict[str, str] | None = None  # the cuBLAS and cuBLASLt baselines' (built on first use)
+    # cuBLASLt's final choice per problem (its record), made in the problem's first session
+    cublaslt: dict[Problem, dict[str, Any]] = field(default_factory=dict)
 
     def base_row(self) -> dict[str, Any]:
         env = self.worker.environment or {}
@@ -66,7 +68,8 @@ class Context:
             "op": op, "problem": {"m": p.m, "n": p.n, "k": p.k, "dtype": p.dtype, "layout": p.layout},
             "settings": {"mode": self.mode, "budget_s": self.settings.budget, "qps": self.settings.qps,
                          "protocol": self.protocol},
-            "libraries": self.libraries, **extra,
+            "libraries": self.libraries,
+            **({"cublaslt": self.cublaslt[p]} if p in self.cublaslt else {}), **extra,
         }
 
 
@@ -123,15 +126,23 @@ def timing_columns(timings: dict[str, dict[str, dict]], name: str, flops: int) -
 
 
 def measure_baselines(ctx: Context) -> list[dict[str, Any]]:
-    """cuBLAS, cuBLASLt autotuned and torch.matmul (when importable), in one worker call."""
-    result = ctx.worker.request(ctx.job("baselines"), ctx.settings.timeout)
+    """cuBLAS, cuBLASLt autotuned and torch.matmul (when importable), in one worker call.
+    The problem's first such call also decides between cuBLASLt's finalists in its session
+    (baselines.finalists); the choice holds for the context's later jobs."""
+    first = ctx.problem not in ctx.cublaslt
+    result = ctx.worker.request(ctx.job("baselines", finalists=first), ctx.settings.timeout)
     if result.get("status") != "ok":
         raise Cudal2Error(f"the library baselines failed ({result.get('status')}): {result.get('error')}")
+    record, timings, errors = result.get("cublaslt"), result["timings"], result.get("errors", {})
+    if first and record:
+        record, timings, errors = choose_finalist(record, timings, errors)
+    if record:
+        ctx.cublaslt[ctx.problem] = record
     rows = []
-    for name, (err, tol) in result.get("errors", {}).items():
+    for name, (err, tol) in errors.items():
         row = {**ctx.base_row(), "kernel": name, "status": "ok", "max_error": err, "tolerance": tol,
-               "cublaslt_algo": algo_json(result.get("cublaslt")), "temperature_c": result.get("temperature_c"),
-               **timing_columns(result["timings"], name, ctx.problem.flops)}
+               "cublaslt_algo": algo_json(record), "temperature_c": result.get("temperature_c"),
+               **timing_columns(timings, name, ctx.problem.flops)}
         if err > tol:
             row.update(status="wrong", error=f"max error {err:.3g} exceeds tolerance {tol:.3g}")
         rows.append(row)
@@ -176,32 +187,58 @@ def build_all(ctx: Context, candidates: list[Candidate], generation: int | None 
     return [Built(c, s, b) for c, s, b in zip(candidates, sources, builds)]
 
 
-def measure_row(ctx: Context, item: Built) -> dict[str, Any]:
-    """Verifies and benches one compiled candidate on the GPU: its leaderboard row (not yet
-    appended)."""
-    row = _candidate_row(ctx, item.candidate, item.source, item.build)
-    if item.build.status != "ok":
-        row.update(status=item.build.status, error=item.build.log[-LOG_LIMIT:])
-    elif bad := forbidden_imports(item.build.imports):
-        row.update(status="cheat", error=f"imports forbidden symbols: {', '.join(bad)}")
-    else:
-        result = ctx.worker.request(ctx.job("kernel", library=str(item.build.library)), ctx.settings.timeout)
-        row.update(status=result["status"], error=result.get("error") or None,
-                   max_error=result.get("max_error"), tolerance=result.get("tolerance"),
-                   cublaslt_algo=algo_json(result.get("cublaslt")), temperature_c=result.get("temperature_c"),
-                   **timing_columns(result.get("timings", {}), "kernel", ctx.problem.flops))
-    return row
+# The most of the GPU's memory one session's input sets and outputs take in each of the two
+# worker processes (every contestant has an output per input set).
+SESSION_MEMORY = 0.2
+
+
+def session_size(ctx: Context) -> int:
+    """The most kernels one session of this problem times together, by memory."""
+    memory = (ctx.worker.environment or {}).get("memory_bytes")
+    if not memory:
+        return 1 << 20
+    p, element = ctx.problem, 2  # fp16 and bf16
+    per_contestant = INPUT_SETS * p.m * p.n * element
+    inputs = INPUT_SETS * (p.m * p.k + p.k * p.n) * element
+    return max(1, int((SESSION_MEMORY * memory - inputs) // per_contestant) - len(BASELINES))
+
+
+def measure_rows(ctx: Context, items: list[Built]) -> list[dict[str, Any]]:
+    """Verifies and benches compiled candidates on the GPU, each verified alone and those
+    that pass timed together in one session beside the baselines (Worker.measure): their
+    leaderboard rows, in order (not yet appended)."""
+    rows = [_candidate_row(ctx, item.candidate, item.source, item.build) for item in items]
+    on_gpu = []
+    for row, item in zip(rows, items):
+        if item.build.status != "ok":
+            row.update(status=item.build.status, error=item.build.log[-LOG_LIMIT:])
+        elif bad := forbidden_imports(item.build.imports):
+            row.update(status="cheat", error=f"imports forbidden symbols: {', '.join(bad)}")
+        else:
+            on_gpu.append((row, item))
+    if on_gpu:
+        results = ctx.worker.measure(ctx.job("kernels"), [str(item.build.library) for _, item in on_gpu],
+                                     ctx.settings.timeout)
+        for (row, _), result in zip(on_gpu, results, strict=True):
+            row.update(status=result["status"], error=result.get("error") or None,
+                       max_error=result.get("max_error"), tolerance=result.get("tolerance"),
+                       cublaslt_algo=algo_json(result.get("cublaslt")), temperature_c=result.get("temperature_c"),
+                       **timing_columns(result.get("timings", {}), "kernel", ctx.problem.flops))
+    return rows
 
 
 def measure(ctx: Context, built: list[Built]) -> Iterator[dict[str, Any]]:
-    """measure_row for each candidate, yielding each row as soon as it exists. The rows go
-    to the leaderboard as one part when the batch ends, or when it is interrupted (Ctrl-C,
-    an error): what was measured is kept either way."""
+    """measure_rows for the candidates, as many to a session as memory allows, yielding each
+    session's rows as soon as they exist. The rows go to the leaderboard as one part when
+    the batch ends, or when it is interrupted (Ctrl-C, an error): what was measured is kept
+    either way."""
     rows = []
+    size = session_size(ctx)
     try:
-        for item in built:
-            rows.append(measure_row(ctx, item))
-            yield rows[-1]
+        for first in range(0, len(built), size):
+            for row in measure_rows(ctx, built[first:first + size]):
+                rows.append(row)
+                yield row
     finally:
         ctx.leaderboard.append(rows)
 

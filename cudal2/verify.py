@@ -70,11 +70,11 @@ class Verdict:
 
 
 class Rejected(Exception):
-    """A verdict reached part-way through the checks."""
+    """A verdict reached part-way through the checks (while timed: on `contestant`)."""
 
-    def __init__(self, status: str, reason: str):
+    def __init__(self, status: str, reason: str, contestant: str | None = None):
         super().__init__(reason)
-        self.status = status
+        self.status, self.contestant = status, contestant
 
 
 # Unit roundoff of the output type: a correct fp32-accumulated result is within a few

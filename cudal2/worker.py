@@ -14,7 +14,7 @@ import time
 import traceback
 from typing import Any
 
-from .baselines import abi_call, library_calls
+from .baselines import NAMES as BASELINES, abi_call, library_calls
 from .bench import STUDY_PROTOCOLS, study_job
 from .environment import gpu_temperature
 from .errors import Cudal2Error
@@ -42,8 +42,8 @@ class Worker:
     The other times by CUPTI (the kernel method, server mode). CUPTI cannot leave a process
     once attached: there, each kernel replayed from a graph cost 0.4-0.9 us more on an H200
     with every activity kind disabled, 0.15-0.35 us after cuptiFinalize (a 2 us call reads
-    up to 50% slower). A job of the protocol goes to the graph process first; when its kernel passed
-    there, to the CUPTI process, with the cuBLASLt algorithm chosen there; the timings merge.
+    up to 50% slower). A session of the protocol opens in the graph process first, then in
+    the CUPTI process with the cuBLASLt algorithm chosen there; the timings merge.
     """
 
     def __init__(self, device: int = 0):
@@ -62,21 +62,23 @@ class Worker:
     def request(self, job: dict[str, Any], timeout: float) -> dict[str, Any]:
         """Runs one job; a dead or silent worker becomes a `crash` or `timeout` result.
 
-        A job of the protocol: both processes set up (the graph process verifies and
-        autotunes first), then each times rounds of its methods for the job's timing budget
-        (at least MIN_ROUNDS), after SOAK_S of untimed replays for calls of SOAK_US or more:
-        for calls of INTERLEAVE_US or more, the two processes' rounds
-        alternate (twice the budget in all), so that clock and thermal drift fall on both
-        methods alike; then each returns its methods' timings."""
+        A session of the protocol (op "baselines", or "kernels": verified kernels beside the
+        baselines): both processes set up (the graph process autotunes first), then each
+        times rounds of its methods (at least MIN_ROUNDS) for the job's timing budget, which
+        grows with its kernels so that each contestant gets the rounds it would in a session
+        of one kernel; after SOAK_S of untimed replays for calls of SOAK_US or more. For
+        calls of INTERLEAVE_US or more, the two processes' rounds alternate (twice the budget
+        in all), so that clock and thermal drift fall on both methods alike; then each
+        returns its methods' timings. A study protocol's job runs in the graph process alone."""
         first = self._graph.request(job, timeout)
         if job["settings"].get("protocol") in STUDY_PROTOCOLS or first.get("status") != "ok":
             return first
-        second = self._cupti.request({**job, "phase": "cupti", "cublaslt": first.get("cublaslt"),
-                                      "tolerance": first.get("tolerance")}, timeout)
+        second = self._cupti.request({**job, "phase": "cupti", "cublaslt": first.get("cublaslt")}, timeout)
         if second.get("status") != "ok":
             return {**first, **second, "timings": {}}
         children = (self._graph, self._cupti)
-        budget = job["settings"].get("budget_s", 1.0)
+        kernels = len(job.get("kernels", ())) or 1
+        budget = job["settings"].get("budget_s", 1.0) * (kernels + len(BASELINES)) / (1 + len(BASELINES))
         typical = first.get("typical_us") or INTERLEAVE_US
         short = typical < INTERLEAVE_US
         temperature = None
@@ -92,12 +94,49 @@ class Worker:
                     if (answer := child.request({"op": "round"}, timeout)).get("status") != "ok":
                         return {**first, **answer, "timings": {}}
                 rounds += 1
-        timings = {}
+        timings, rejected = {}, {}
         for child in children:
             if (answer := child.request({"op": "finish"}, timeout)).get("status") != "ok":
                 return {**first, **answer, "timings": {}}
             timings.update(answer["timings"])
-        return {**first, "timings": timings, "temperature_c": temperature}
+            rejected.update(answer.get("rejected", {}))
+        return {**first, "timings": timings, "rejected": rejected, "temperature_c": temperature}
+
+    def measure(self, job: dict[str, Any], libraries: list[str], timeout: float) -> list[dict[str, Any]]:
+        """Verifies each kernel library alone (a crash or a hang costs that kernel, and the
+        next request starts a fresh process), then times the verified ones together, in one
+        session of the protocol beside the baselines (`job`: the problem's, op "kernels"):
+        one result per library, verify's verdict with the kernel's timings and the
+        baselines' of its session under "kernel" and their names. A kernel rejected while
+        timed leaves, and the others are timed again without it; a session that crashed or
+        hung with no kernel to blame times each kernel alone, so that one is found."""
+        results = [self._graph.request({**job, "op": "kernel", "library": library}, timeout) for library in libraries]
+        if job["settings"].get("protocol") in STUDY_PROTOCOLS:
+            return results
+        pending = [i for i, result in enumerate(results) if result.get("status") == "ok"]
+        alone = False
+        while pending:
+            group = {f"kernel:{i}": i for i in (pending[:1] if alone else pending)}
+            kernels = [{"name": name, "library": libraries[i], "tolerance": results[i]["tolerance"]}
+                       for name, i in group.items()]
+            answer = self.request({**job, "op": "kernels", "kernels": kernels}, timeout)
+            if answer.get("status") == "ok":
+                for name, i in group.items():
+                    if name in answer["rejected"]:
+                        status, error = answer["rejected"][name]
+                        results[i] = {**results[i], "status": status, "error": error, "timings": {}}
+                    else:
+                        results[i] = {**results[i], "cublaslt": answer.get("cublaslt"),
+                                      "temperature_c": answer.get("temperature_c"),
+                                      "timings": _own_timings(answer["timings"], name)}
+                pending = [i for i in pending if i not in group.values()]
+            elif answer.get("contestant") in group or len(group) == 1:
+                i = group.get(answer.get("contestant"), next(iter(group.values())))
+                results[i] = {**results[i], "status": answer["status"], "error": answer.get("error"), "timings": {}}
+                pending.remove(i)
+            else:  # a crash or a hang with no kernel named: alone, each answers for itself
+                alone = True
+        return results
 
     def pool_bytes(self, timeout: float = 60.0) -> dict[str, int]:
         """What each started process's memory pool holds (its "graph" and "cupti" process)."""
@@ -113,6 +152,12 @@ class Worker:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+def _own_timings(timings: dict[str, dict[str, dict]], name: str) -> dict[str, dict[str, dict]]:
+    """A session's timings as one kernel's: its own under "kernel", beside the baselines'."""
+    return {method: {"kernel": entries[name], **{b: entries[b] for b in BASELINES if b in entries}}
+            for method, entries in timings.items()}
 
 
 class _Child:
@@ -205,14 +250,14 @@ def _serve(conn, device: int, cupti: bool) -> None:
         conn.send({"fatal": f"no usable CUDA device: {str(exc).splitlines()[0] if str(exc) else type(exc).__name__}"})
         return
     conn.send({"environment": environment})
-    handlers = {"kernel": _kernel_job, "baselines": _baselines_job, "round": _round_job, "soak": _soak_job,
-                "finish": _finish_job, "memory": _memory_job}
+    handlers = {"kernel": _kernel_job, "kernels": _kernels_job, "baselines": _baselines_job, "round": _round_job,
+                "soak": _soak_job, "finish": _finish_job, "memory": _memory_job}
     while True:
         job = conn.recv()
         if job is None:
             return
-        untrusted = job["op"] == "kernel" or (
-            job["op"] in ("round", "soak", "finish") and _SESSION.get("kind") == "kernel")
+        untrusted = job["op"] in ("kernel", "kernels") or (
+            job["op"] in ("round", "soak", "finish") and _SESSION.get("kind") == "kernels")
         try:
             result = handlers[job["op"]](job, environment, timer)
         except (cupy.cuda.runtime.CUDARuntimeError, cupy.cuda.driver.CUDADriverError) as exc:
@@ -240,51 +285,62 @@ def _methods(job: dict[str, Any]) -> tuple[str, ...]:
 
 
 def _kernel_job(job: dict[str, Any], environment: dict[str, Any], timer) -> dict[str, Any]:
-    """Graph phase: verify, then time by the graph method; CUPTI phase (a kernel verified in
-    the graph phase): time by CUPTI."""
+    """Verifies one kernel (graph process); a study protocol's job then times it as it did."""
     import cupy
 
     from .baselines import cublas_gemm
-    from .verify import Kernel, Rejected, seed_from_os, verify
+    from .verify import Kernel, seed_from_os, verify
 
     problem = Problem(**job["problem"])
     rng = random.Random(seed_from_os())
     stream = cupy.cuda.Stream(non_blocking=True)
     kernel = Kernel(job["library"])
-    cupti_phase = job.get("phase") == "cupti"
     with stream:
-        if cupti_phase:
-            result = {"status": "ok"}
-        else:
-            verdict = verify(kernel, problem, stream, cublas_gemm(problem, stream), rng)
-            result = {"status": verdict.status, "error": verdict.reason,
-                      "max_error": verdict.max_error, "tolerance": verdict.tolerance}
-            if verdict.status != "ok":
-                return result
-            if job["settings"].get("protocol") in STUDY_PROTOCOLS:
-                return {**result, **study_job(job, environment, stream, rng, kernel)}
+        verdict = verify(kernel, problem, stream, cublas_gemm(problem, stream), rng)
+        result = {"status": verdict.status, "error": verdict.reason,
+                  "max_error": verdict.max_error, "tolerance": verdict.tolerance}
+        if verdict.status == "ok" and job["settings"].get("protocol") in STUDY_PROTOCOLS:
+            return {**result, **study_job(job, environment, stream, rng, kernel)}
+    return result
+
+
+def _kernels_job(job: dict[str, Any], environment: dict[str, Any], timer) -> dict[str, Any]:
+    """Opens this process's session of verified kernels (job["kernels"]: name, library,
+    tolerance) beside the baselines."""
+    import cupy
+
+    from .verify import Kernel, Rejected, seed_from_os
+
+    problem = Problem(**job["problem"])
+    rng = random.Random(seed_from_os())
+    stream = cupy.cuda.Stream(non_blocking=True)
+    with stream:
         run, record = library_calls(problem, job, stream, rng)
-        workspace = cupy.empty(max(1, kernel.workspace_bytes(problem.m, problem.n, problem.k)), cupy.uint8)
-        run = {"kernel": abi_call(kernel, workspace, problem, stream, "kernel"), **run}
         tolerance = {name: 2 * UNIT_ROUNDOFF[problem.dtype] for name in run}
-        tolerance["kernel"] = job["tolerance"] if cupti_phase else verdict.tolerance
+        kernels = {}
+        for entry in job["kernels"]:
+            kernel = Kernel(entry["library"])
+            workspace = cupy.empty(max(1, kernel.workspace_bytes(problem.m, problem.n, problem.k)), cupy.uint8)
+            kernels[entry["name"]] = abi_call(kernel, workspace, problem, stream, entry["name"])
+            tolerance[entry["name"]] = entry["tolerance"]
         try:
-            session = _open("kernel", job, run, problem, stream=stream, timer=timer, environment=environment,
-                            rng=rng, tolerance=tolerance)
+            session = _open("kernels", job, {**kernels, **run}, problem, stream=stream, timer=timer,
+                            environment=environment, rng=rng, tolerance=tolerance)
         except Rejected as r:
-            return {**result, "status": r.status, "error": str(r)}
-    return {**result, "cublaslt": record, "typical_us": session.typical_us}
+            return _rejected(r, frozenset(kernels))
+    return {"status": "ok", "cublaslt": record, "typical_us": session.typical_us}
 
 
 def _open(kind: str, job: dict[str, Any], run: dict, problem: Problem, **timing: Any):
     """This process's timing session of the job (its phase's methods), kept for the rounds
-    and the finish that follow; `kind`: "kernel" (a candidate, the suspect) or "baselines"."""
+    and the finish that follow; `kind`: "kernels" (their contestants the suspects) or
+    "baselines"."""
     from .measure import Session
 
     _SESSION.clear()
     _release_memory()
-    session = Session(run, problem, settings=job["settings"], methods=_methods(job),
-                      suspect="kernel" if kind == "kernel" else "", **timing)
+    suspects = frozenset(name for name in run if name.startswith("kernel:")) if kind == "kernels" else frozenset()
+    session = Session(run, problem, settings=job["settings"], methods=_methods(job), suspects=suspects, **timing)
     _SESSION.update(session=session, kind=kind, problem=problem)
     return session
 
@@ -296,7 +352,7 @@ def _round_job(job: dict[str, Any], environment: dict[str, Any], timer) -> dict[
     try:
         _SESSION["session"].round()
     except Rejected as r:
-        return _rejected(r)
+        return _rejected(r, _SESSION["session"].suspects)
     return {"status": "ok"}
 
 
@@ -307,22 +363,24 @@ def _soak_job(job: dict[str, Any], environment: dict[str, Any], timer) -> dict[s
 
 
 def _finish_job(job: dict[str, Any], environment: dict[str, Any], timer) -> dict[str, Any]:
-    """The open session's timings; a kernel faster than this GPU's physical limit is a cheat."""
+    """The open session's timings, and the kernels it rejects (`rejected`: name -> status,
+    reason): one faster than this GPU's physical limit is a cheat."""
     from .verify import Rejected, physical_floor_us
 
-    session, kind, problem = _SESSION["session"], _SESSION["kind"], _SESSION["problem"]
+    session, problem = _SESSION["session"], _SESSION["problem"]
     try:
         timings = session.finish()
     except Rejected as r:
-        return _rejected(r)
+        return _rejected(r, session.suspects)
     _SESSION.clear()
-    for method, entries in timings.items() if kind == "kernel" else ():
+    rejected = {}
+    for method, entries in timings.items():
         floor = physical_floor_us(problem, environment, cold_l2=method == "server")
-        if entries["kernel"]["median_us"] < 0.9 * floor:
-            return {"status": "cheat", "error": (
-                f"{method} time {entries['kernel']['median_us']:.2f} us is below the physical limit "
-                f"{floor:.2f} us of this GPU")}
-    return {"status": "ok", "timings": timings}
+        for name in sorted(session.suspects - set(rejected)):
+            if entries[name]["median_us"] < 0.9 * floor:
+                rejected[name] = ("cheat", f"{method} time {entries[name]['median_us']:.2f} us is below the "
+                                           f"physical limit {floor:.2f} us of this GPU")
+    return {"status": "ok", "timings": timings, "rejected": rejected}
 
 
 def _memory_job(job: dict[str, Any], environment: dict[str, Any], timer) -> dict[str, Any]:
@@ -348,14 +406,13 @@ def _release_memory() -> None:
         torch.cuda.empty_cache()
 
 
-def _rejected(r) -> dict[str, Any]:
-    """A contestant's output check failed during the session: the kernel's verdict, or (a
-    baseline's) an error of the bench."""
-    kind = _SESSION.get("kind")
+def _rejected(r, suspects: frozenset[str]) -> dict[str, Any]:
+    """A contestant failed a check while timed: a kernel's verdict, naming it (the session is
+    over), or (a baseline's) an error of the bench."""
     _SESSION.clear()
-    if kind != "kernel":
+    if r.contestant not in suspects:
         raise RuntimeError(f"a baseline failed its output check: {r}")
-    return {"status": r.status, "error": str(r)}
+    return {"status": r.status, "error": str(r), "contestant": r.contestant}
 
 
 def _baselines_job(job: dict[str, Any], environment: dict[str, Any], timer) -> dict[str, Any]:

@@ -219,39 +219,40 @@ def two_phase_worker(graph_answer, cupti_answer):
     return worker, log
 
 
-def job(protocol="cupti-graph-3"):
-    return {"op": "kernel", "settings": {"protocol": protocol, "budget_s": 0.0}, "library": "k.so"}
+def job(protocol="cupti-graph-3", op="kernels", kernels=1):
+    return {"op": op, "settings": {"protocol": protocol, "budget_s": 0.0},
+            "kernels": [{"name": f"kernel:{i}", "library": f"k{i}.so", "tolerance": 0.01} for i in range(kernels)]}
 
 
-def session_answers(opened, timings, failing_round=None):
+def session_answers(opened, timings, failing_round=None, failure=None):
     rounds = []
 
     def answer(j):
         if j["op"] == "round":
             rounds.append(j)
-            return {"status": "cheat", "error": "a cached result"} if len(rounds) == failing_round else {"status": "ok"}
+            failed = failure or {"status": "cheat", "error": "a cached result", "contestant": "kernel:0"}
+            return failed if len(rounds) == failing_round else {"status": "ok"}
         return {"status": "ok", "timings": timings} if j["op"] == "finish" else opened
     return answer
 
 
-def test_a_job_opens_both_processes_then_alternates_their_rounds_and_merges_the_timings(monkeypatch):
+def test_a_session_opens_both_processes_then_alternates_their_rounds_and_merges_the_timings(monkeypatch):
     from cudal2.worker import MIN_ROUNDS, SOAK_S, SOAK_US
 
     monkeypatch.setattr("cudal2.worker.gpu_temperature", lambda device: 57)
 
     record = {"index": 3, "of": 8}
     worker, log = two_phase_worker(
-        session_answers({"status": "ok", "tolerance": 0.01, "cublaslt": record, "typical_us": 4 * SOAK_US},
-                        {"graph": {"kernel": 1}}),
-        session_answers({"status": "ok"}, {"kernel": {"kernel": 2}}))
+        session_answers({"status": "ok", "cublaslt": record, "typical_us": 4 * SOAK_US}, {"graph": {"kernel:0": 1}}),
+        session_answers({"status": "ok"}, {"kernel": {"kernel:0": 2}}))
     result = worker.request(job(), 10)
-    assert result["timings"] == {"graph": {"kernel": 1}, "kernel": {"kernel": 2}}
-    assert result["cublaslt"] == record and result["tolerance"] == 0.01
+    assert result["timings"] == {"graph": {"kernel:0": 1}, "kernel": {"kernel:0": 2}}
+    assert result["cublaslt"] == record and result["rejected"] == {}
     ops = [(name, op) for name, op, _ in log]
-    # the graph process verifies and autotunes first; the CUPTI one gets its cuBLASLt choice
-    assert ops[:2] == [("graph", "kernel"), ("cupti", "kernel")]
+    # the graph process opens (and autotunes) first; the CUPTI one gets its cuBLASLt choice
+    assert ops[:2] == [("graph", "kernels"), ("cupti", "kernels")]
     opened = log[1][2]
-    assert opened["phase"] == "cupti" and opened["cublaslt"] == record and opened["tolerance"] == 0.01
+    assert opened["phase"] == "cupti" and opened["cublaslt"] == record and opened["kernels"] == job()["kernels"]
     assert "phase" not in log[0][2]
     # a long call: the graphs replayed untimed first, so its rounds see a busy GPU's clock
     assert ops[2] == ("graph", "soak") and log[2][2]["seconds"] == SOAK_S
@@ -266,8 +267,8 @@ def test_calls_between_the_two_thresholds_alternate_without_a_soak():
     from cudal2.worker import INTERLEAVE_US, MIN_ROUNDS, SOAK_US
 
     worker, log = two_phase_worker(
-        session_answers({"status": "ok", "typical_us": (INTERLEAVE_US + SOAK_US) / 2}, {"graph": {"kernel": 1}}),
-        session_answers({"status": "ok"}, {"kernel": {"kernel": 2}}))
+        session_answers({"status": "ok", "typical_us": (INTERLEAVE_US + SOAK_US) / 2}, {"graph": {"kernel:0": 1}}),
+        session_answers({"status": "ok"}, {"kernel": {"kernel:0": 2}}))
     assert worker.request(job(), 10)["temperature_c"] is None  # not soaked: not read
     ops = [(name, op) for name, op, _ in log]
     assert ops[2:-2] == [("graph", "round"), ("cupti", "round")] * MIN_ROUNDS
@@ -277,23 +278,111 @@ def test_short_calls_are_timed_in_one_block_per_process_the_graph_first():
     from cudal2.worker import INTERLEAVE_US, MIN_ROUNDS
 
     worker, log = two_phase_worker(
-        session_answers({"status": "ok", "typical_us": INTERLEAVE_US / 4}, {"graph": {"kernel": 1}}),
-        session_answers({"status": "ok"}, {"kernel": {"kernel": 2}}))
-    assert worker.request(job(), 10)["timings"] == {"graph": {"kernel": 1}, "kernel": {"kernel": 2}}
+        session_answers({"status": "ok", "typical_us": INTERLEAVE_US / 4}, {"graph": {"kernel:0": 1}}),
+        session_answers({"status": "ok"}, {"kernel": {"kernel:0": 2}}))
+    assert worker.request(job(), 10)["timings"] == {"graph": {"kernel:0": 1}, "kernel": {"kernel:0": 2}}
     ops = [(name, op) for name, op, _ in log]
     assert ops[2:-2] == [("graph", "round")] * MIN_ROUNDS + [("cupti", "round")] * MIN_ROUNDS
 
 
-def test_a_kernel_rejected_in_either_process_is_not_timed_further():
-    rejected, log = two_phase_worker(lambda j: {"status": "wrong", "error": "max error"}, lambda j: pytest.fail("timed"))
-    assert rejected.request(job(), 10)["status"] == "wrong" and len(log) == 1
-    cheat, log = two_phase_worker(session_answers({"status": "ok", "typical_us": 100.0}, {}),
-                                  session_answers({"status": "ok"}, {}, failing_round=2))
-    result = cheat.request(job(), 10)
-    assert result["status"] == "cheat" and result["timings"] == {} and "cached" in result["error"]
-    assert [op for _, op, _ in log].count("finish") == 0 and [op for _, op, _ in log].count("round") == 4
+def test_a_session_of_more_kernels_times_longer_so_each_gets_the_rounds_it_would_alone(monkeypatch):
+    """A round of a session of 8 kernels and 3 baselines times 11 contestants: for the same
+    rounds per contestant as a kernel timed alone with the baselines, 11/4 of the budget."""
+    import cudal2.worker as worker_module
+
+    clock = iter(range(10_000))
+    monkeypatch.setattr(worker_module.time, "perf_counter", lambda: next(clock) * 0.01)  # 10 ms a request
+    budgets = {}
+    for kernels in (1, 8):
+        worker, log = two_phase_worker(session_answers({"status": "ok", "typical_us": 1.0}, {}),
+                                       session_answers({"status": "ok"}, {}))
+        settings = {"protocol": "cupti-graph-3", "budget_s": 0.4}
+        worker.request({**job(kernels=kernels), "settings": settings}, 10)
+        budgets[kernels] = [op for _, op, _ in log].count("round")
+    assert budgets[8] == pytest.approx(budgets[1] * 11 / 4, rel=0.1)
+
+
+def measuring_worker(verdicts, sessions):
+    """A worker whose graph process answers verify jobs from `verdicts` (library -> answer)
+    and whose sessions answer in turn from `sessions` (each: kernels -> (graph answer, cupti answer))."""
+    opened = []
+
+    def graph(j):
+        if j["op"] == "kernel":
+            return verdicts[j["library"]]
+        if j["op"] in ("kernels", "baselines"):
+            opened.append([k["library"] for k in j["kernels"]])
+        return sessions[len(opened) - 1][0](j)
+
+    def cupti(j):
+        return sessions[len(opened) - 1][1](j)
+
+    worker, log = two_phase_worker(graph, cupti)
+    return worker, log, opened
+
+
+def timed(*names, us=10.0):
+    entries = {name: {"median_us": us + i} for i, name in enumerate(names)}
+    return entries | {"cuBLAS": {"median_us": 20.0}, "cuBLASLt": {"median_us": 19.0}}
+
+
+def test_measure_verifies_each_kernel_alone_then_times_the_verified_together():
+    ok = {"status": "ok", "error": "", "max_error": 1e-4, "tolerance": 0.01}
+    verdicts = {"a.so": ok, "b.so": {"status": "wrong", "error": "max error"}, "c.so": {**ok, "tolerance": 0.02}}
+    session = (session_answers({"status": "ok", "typical_us": 1.0, "cublaslt": {"index": 0}},
+                               {"graph": timed("kernel:0", "kernel:2")}),
+               session_answers({"status": "ok"}, {"kernel": timed("kernel:0", "kernel:2", us=9.0)}))
+    worker, log, opened = measuring_worker(verdicts, [session])
+    results = worker.measure(job(), ["a.so", "b.so", "c.so"], 10)
+    assert [r["status"] for r in results] == ["ok", "wrong", "ok"]
+    assert opened == [["a.so", "c.so"]]  # one session: the two verified, not the wrong one
+    tolerances = [k["tolerance"] for k in log[3][2]["kernels"]]
+    assert tolerances == [0.01, 0.02]  # each with the tolerance its verification found
+    # each result: its own time under "kernel", beside the same baselines' of the session
+    assert results[0]["timings"]["graph"]["kernel"] == {"median_us": 10.0}
+    assert results[2]["timings"]["graph"]["kernel"] == {"median_us": 11.0}
+    assert results[2]["timings"]["kernel"]["kernel"] == {"median_us": 10.0}
+    assert results[0]["timings"]["graph"]["cuBLASLt"] == results[2]["timings"]["graph"]["cuBLASLt"]
+    assert results[0]["cublaslt"] == {"index": 0} and "timings" not in results[1]
+
+
+def test_a_kernel_rejected_while_timed_leaves_and_the_others_are_timed_again_without_it():
+    ok = {"status": "ok", "tolerance": 0.01}
+    caught = session_answers({"status": "ok", "typical_us": 1.0}, {}, failing_round=2,
+                             failure={"status": "cheat", "error": "a cached result", "contestant": "kernel:1"})
+    again = (session_answers({"status": "ok", "typical_us": 1.0}, {"graph": timed("kernel:0")}),
+             session_answers({"status": "ok"}, {"kernel": timed("kernel:0")}))
+    worker, log, opened = measuring_worker({"a.so": ok, "b.so": ok},
+                                           [(session_answers({"status": "ok", "typical_us": 1.0}, {}), caught), again])
+    results = worker.measure(job(), ["a.so", "b.so"], 10)
+    assert opened == [["a.so", "b.so"], ["a.so"]]
+    assert results[1]["status"] == "cheat" and "cached" in results[1]["error"] and results[1]["timings"] == {}
+    assert results[0]["status"] == "ok" and results[0]["timings"]["kernel"]["kernel"] == {"median_us": 10.0}
+
+
+def test_a_session_that_crashed_naming_no_kernel_times_each_alone_to_find_it():
+    ok = {"status": "ok", "tolerance": 0.01}
+    crashed = lambda j: {"status": "crash", "error": "worker process died (exit code -11)"}
+    alone = (session_answers({"status": "ok", "typical_us": 1.0}, {"graph": timed("kernel:0")}),
+             session_answers({"status": "ok"}, {"kernel": timed("kernel:0")}))
+    worker, log, opened = measuring_worker({"a.so": ok, "b.so": ok}, [(crashed, crashed), alone, (crashed, crashed)])
+    results = worker.measure(job(), ["a.so", "b.so"], 10)
+    assert opened == [["a.so", "b.so"], ["a.so"], ["b.so"]]
+    assert results[0]["status"] == "ok" and results[1]["status"] == "crash" and "died" in results[1]["error"]
+
+
+def test_a_kernel_below_the_physical_limit_is_rejected_at_the_finish_and_the_others_kept():
+    ok = {"status": "ok", "tolerance": 0.01}
+    session = (session_answers({"status": "ok", "typical_us": 1.0}, {"graph": timed("kernel:0", "kernel:1")}),
+               lambda j: ({"status": "ok", "timings": {"kernel": timed("kernel:0", "kernel:1")},
+                           "rejected": {"kernel:1": ("cheat", "below the physical limit")}}
+                          if j["op"] == "finish" else {"status": "ok"}))
+    worker, log, opened = measuring_worker({"a.so": ok, "b.so": ok}, [session])
+    results = worker.measure(job(), ["a.so", "b.so"], 10)
+    assert [r["status"] for r in results] == ["ok", "cheat"] and "physical" in results[1]["error"]
 
 
 def test_a_study_protocol_stays_in_the_graph_process():
     worker, log = two_phase_worker(lambda j: {"status": "ok", "timings": {"offline": {}}}, lambda j: pytest.fail("cupti"))
-    assert worker.request(job("fenced"), 10)["timings"] == {"offline": {}} and len(log) == 1
+    assert worker.measure(job("fenced"), ["k.so"], 10)[0]["timings"] == {"offline": {}} and len(log) == 1
+    assert worker.request(job("fenced", op="baselines"), 10)["timings"] == {"offline": {}} and len(log) == 2

@@ -257,6 +257,28 @@ def test_verifier_rejects_every_broken_kernel(context):
     assert "uniform" in rows["cached"]["error"], report  # the second call on the same pointers
 
 
+def test_kernels_timed_together_read_as_each_does_alone(context):
+    """A batch's verified kernels share one session with the baselines (one set-up, one soak,
+    the same rounds): each kernel's times there agree with a session of its own within 5%,
+    by both methods, and the rows of one session carry the same baselines' times."""
+    from cudal2.pipeline import build_all, measure_rows
+
+    ctx = context(Problem(2048, 2048, 2048))
+    configs = CONFIGS + (SPLIT_CONFIGS[:1] if gpu_cc() >= 90 else ())
+    built = build_all(ctx, [template_candidate("sm80_mma", params, gpu_cc()) for params in configs])
+    try:
+        together = measure_rows(ctx, built)
+        alone = [measure_rows(ctx, [item])[0] for item in built]
+    finally:
+        ctx.worker.close()
+    assert all(row["status"] == "ok" for row in together + alone), [(r["kernel"], r.get("error")) for r in together + alone]
+    assert len({row["cublas_kernel_us"] for row in together}) == 1  # one session's baselines
+    apart = [(row["kernel"], method, row[f"{method}_us"], single[f"{method}_us"])
+             for row, single in zip(together, alone) for method in ("kernel", "graph")
+             if abs(row[f"{method}_us"] / single[f"{method}_us"] - 1) > 0.05]
+    assert not apart, apart
+
+
 def test_crash_and_hang_cost_one_kernel_not_the_run(context):
     ctx = context(Problem(256, 256, 256), timeout=30.0)
     honest = Candidate.from_source((ROOT / "examples" / "simt_gemm_fp16_nn.cu").read_text(), "honest")

@@ -21,7 +21,7 @@ from cudal2.errors import Cudal2Error
 from cudal2.config import Settings
 from cudal2.leaderboard import BASELINES, Leaderboard
 from cudal2.optimize import Budget, optimize
-from cudal2.pipeline import Context
+from cudal2.pipeline import Context, measure_baselines
 from cudal2.problem import Problem
 from cudal2.propose import HybridProposer, SearchProposer
 from cudal2.render import get_template, render, template_candidate
@@ -55,6 +55,7 @@ class StandInWorker:
         self.device = device
         self.times = list(times or [])
         self.kernels: list[str] = []
+        self.sessions: list[int] = []  # kernels timed in each session
 
     def start(self):
         return self.environment
@@ -63,12 +64,18 @@ class StandInWorker:
         assert set(job["libraries"]) == {"cuBLAS", "cuBLASLt"} and job["settings"]["protocol"] == PROTOCOL
         if job["op"] == "baselines":
             return {"status": "ok", "errors": {"cuBLAS": (1e-4, 1e-3), "cuBLASLt": (1e-4, 1e-3)},
-                    "timings": both_methods(cuBLAS=100.0, cuBLASLt=95.0), "cublaslt": {"index": 3, "of": 8}}
+                    "timings": both_methods(cuBLAS=100.0, cuBLASLt=95.0),
+                    "cublaslt": job.get("cublaslt") or {"index": 3, "of": 8}}  # a job's choice holds
         self.kernels.append(job["library"])
         digest = hashlib.sha256(Path(job["library"]).read_bytes()).hexdigest()
         us = self.times.pop(0) if self.times else 50.0 + int(digest[:4], 16) % 100
         return {"status": "ok", "max_error": 1e-4, "tolerance": 1e-3,
                 "timings": both_methods(kernel=us, cuBLAS=100.0, cuBLASLt=95.0)}
+
+    def measure(self, job, libraries, timeout):
+        """Each library's answer, as the worker's measure() gives them (one session)."""
+        self.sessions.append(len(libraries))
+        return [self.request({**job, "op": "kernel", "library": library}, timeout) for library in libraries]
 
     def close(self):
         pass
@@ -112,6 +119,72 @@ def test_loop_measures_batches_records_rows_and_exports_the_best(tmp_path, compi
     assert set(recorded["bench"]) == {PROTOCOL}  # and how it was timed
     assert len(list(ctx.leaderboard.parts.glob("*.parquet"))) == 3  # one part per batch (and the baselines)
     assert out.compile_s > 0 and out.wall_s >= out.gpu_s
+
+
+def test_a_batch_is_timed_in_one_session_and_a_time_budget_in_sessions_that_fit_it(tmp_path, compiler):
+    from cudal2.optimize import next_session
+
+    worker = StandInWorker()
+    out = optimize(context(tmp_path, compiler, worker), sm80_search(), Budget(iterations=2, batch=3, patience=None))
+    # (until one is verified, a kernel whose compile finished first may be measured alone)
+    assert worker.sessions[-1] == 3 and sum(worker.sessions) == 6 and out.stopped == "iterations done"
+    # memory bounds a session; a time budget too, by the seconds a kernel took in the last one
+    assert next_session(8, 8, None, 1.0) == 8 and next_session(8, 3, None, 1.0) == 3
+    assert next_session(8, 8, 5.5, 1.0) == 5 and next_session(8, 8, 0.2, 1.0) == 1
+    assert next_session(2, 8, 50.0, 1.0) == 2
+
+
+def test_a_session_holds_as_many_kernels_as_a_fifth_of_the_gpu_memory_allows(tmp_path, compiler):
+    from cudal2.pipeline import session_size
+
+    worker = StandInWorker()
+    worker.environment = {**H200, "memory_bytes": 150 << 30}
+    # 16384^2 fp16: each contestant's three outputs take 1.5 GiB, the inputs 3 GiB
+    assert session_size(context(tmp_path, compiler, worker, Problem(16384, 16384, 16384))) == 15
+    assert session_size(context(tmp_path, compiler, worker, Problem(65536, 65536, 64))) == 1  # always one
+    assert session_size(context(tmp_path, compiler, worker, Problem(64, 64, 64))) > 1000
+
+
+class FinalistsWorker(StandInWorker):
+    """The problem's first baselines session times cuBLASLt's finalists: the autotuning
+    picked 3 (95 us), but in the session's rounds the heuristic's first, 0, reads 93."""
+
+    def __init__(self):
+        super().__init__()
+        self.jobs = []
+
+    def request(self, job, timeout):
+        self.jobs.append(job)
+        if job["op"] == "baselines" and job.get("finalists"):
+            record = {"index": 3, "of": 8, "us": 90.0, "retimed": [3, 5], "tile": 30,
+                      "finalist_configs": {"3": {"tile": 30}, "5": {"tile": 50}, "0": {"tile": 1}}}
+            errors = {name: (1e-4, 1e-3) for name in ("cuBLAS", "cuBLASLt", "cuBLASLt@5", "cuBLASLt@0")}
+            errors["cuBLASLt@0"] = (2e-4, 1e-3)
+            return {"status": "ok", "errors": errors, "cublaslt": record,
+                    "timings": both_methods(cuBLAS=100.0, cuBLASLt=95.0, **{"cuBLASLt@5": 97.0, "cuBLASLt@0": 93.0})}
+        return super().request(job, timeout)
+
+
+def test_the_first_session_of_a_problem_decides_cublaslt_between_its_finalists(tmp_path, compiler):
+    """The autotuning's pick was timed back to back; the finalists are timed again in the
+    protocol's own session, and the fastest there is the cuBLASLt every later job runs."""
+    worker = FinalistsWorker()
+    ctx = context(tmp_path, compiler, worker)
+    rows = {r["kernel"]: r for r in measure_baselines(ctx)}
+    assert set(rows) == {"cuBLAS", "cuBLASLt"}  # the finalists that lost are not rows
+    lt = rows["cuBLASLt"]
+    assert lt["kernel_us"] == 93.0 and lt["graph_us"] == pytest.approx(93.0 * 1.02) and lt["max_error"] == 2e-4
+    record = json.loads(lt["cublaslt_algo"])
+    assert record["index"] == 0 and record["autotuned"] == 3 and record["tile"] == 1 and record["us"] == 90.0
+    assert set(record["finalists_us"]) == {"3", "5", "0"} and "finalist_configs" not in record
+    assert worker.jobs[0]["finalists"] is True and "cublaslt" not in worker.jobs[0]
+    # every later job of the problem carries the choice, and asks for no finalists again
+    measure_baselines(ctx)
+    assert worker.jobs[1]["finalists"] is False and worker.jobs[1]["cublaslt"]["index"] == 0
+    assert ctx.job("kernel", library="k.so")["cublaslt"]["index"] == 0
+    # a context's choice belongs to its problem
+    ctx.problem = Problem(64, 64, 64)
+    assert "cublaslt" not in ctx.job("kernel", library="k.so")
 
 
 def test_rerun_resumes_and_measures_nothing_twice(tmp_path, compiler):
@@ -559,8 +632,9 @@ def test_a_shape_set_is_tuned_in_one_run_and_a_killed_run_resumes(tmp_path, comp
         shape_set_run(tmp_path, compiler, KilledWorker(at=4), problems)
     board = Leaderboard(tmp_path / "results").read()
     kept = board[~board["kernel"].isin(BASELINES)]
-    # the first shape's batch and the second shape's first kernel were measured before the kill
-    assert sorted(kept.groupby("m").size().to_dict().items()) == [(128, 1), (256, 2)]
+    # the first shape's session was measured before the kill; the second shape's, killed
+    # part-way (its kernels are timed together), is measured by the re-run
+    assert sorted(kept.groupby("m").size().to_dict().items()) == [(256, 2)]
     outcomes = shape_set_run(tmp_path, compiler, StandInWorker(), problems)
     assert [o.best is not None for o in outcomes] == [True, True, True]
     board = Leaderboard(tmp_path / "results").read()
