@@ -21,6 +21,7 @@ from __future__ import annotations
 import ctypes
 import importlib.util
 import json
+import math
 from pathlib import Path
 from typing import Any
 
@@ -214,39 +215,36 @@ def finalists(record: dict[str, Any]) -> list[int]:
     there an algorithm that spends more energy per FLOP can be the faster (measured on an H200:
     the pick read 3.0-5.6% slower than cuBLAS's default on three large problems where the
     autotuning had found it faster)."""
-    return list(dict.fromkeys([record["index"], *record.get("retimed", []), 0]))[:RETIMED]
+    return list(dict.fromkeys([record["index"], 0, *record.get("retimed", [])]))[:RETIMED]
 
 
 def choose_finalist(record: dict[str, Any], timings: dict[str, dict[str, dict]],
                     errors: dict[str, Any]) -> tuple[dict[str, Any], dict, dict]:
-    """The finalist fastest in the session's own timings (the geometric mean of its methods'
-    medians) becomes `cuBLASLt`: its timings and error replace the pick's, the others'
-    leave. The record then names it (index and configuration, from `finalist_configs`), the
-    autotuning's pick (`autotuned`, whose time `us` stays) and each finalist's time
-    (`finalists_us`)."""
+    """The finalist fastest in the session's own offline timings (the geometric mean of the
+    kernel and graph medians) becomes `cuBLASLt`: its timings and error replace the pick's,
+    and the other finalists leave. The record then names it (index and configuration, from
+    `finalist_configs`), the autotuning's pick (`autotuned`, whose time `us` stays) and each
+    finalist's time (`finalists_us`). Without offline timings of them all the pick stays."""
+    from .bench import OFFLINE_METHODS
+
     names = {index: (FINALIST.format(index) if index != record["index"] else "cuBLASLt") for index in finalists(record)}
-    methods = [m for m in timings if all(name in timings[m] for name in names.values())]
-    if len(names) < 2 or not methods:
-        return record, timings, errors
+    methods = [m for m in OFFLINE_METHODS if m in timings]
+    complete = methods and all(name in timings[m] for m in methods for name in names.values())
+    scores = {index: math.prod(timings[m][name]["median_us"] for m in methods) ** (1 / len(methods))
+              for index, name in names.items()} if complete else {}
+    chosen = min(scores, key=scores.get) if scores else record["index"]
+    kept = {names[chosen]: "cuBLASLt"}
 
-    def score(name: str) -> float:
-        product = 1.0
-        for method in methods:
-            product *= timings[method][name]["median_us"]
-        return product ** (1 / len(methods))
+    def without_finalists(entries: dict) -> dict:
+        return {kept.get(name, name): entry for name, entry in entries.items()
+                if name not in names.values() or name in kept}
 
-    scores = {index: score(name) for index, name in names.items()}
-    chosen = min(scores, key=scores.get)
-    timings = {m: {("cuBLASLt" if name == names[chosen] else name): entry for name, entry in entries.items()
-                   if name not in names.values() or name == names[chosen]} for m, entries in timings.items()}
-    if names[chosen] in errors:
-        errors = {**errors, "cuBLASLt": errors[names[chosen]]}
-    errors = {name: e for name, e in errors.items() if name not in names.values() or name == "cuBLASLt"}
     configs = record.get("finalist_configs", {})
     record = {**{k: v for k, v in record.items() if k != "finalist_configs"}, **configs.get(str(chosen), {}),
-              "index": chosen, "autotuned": record["index"],
-              "finalists_us": {str(i): round(us, 3) for i, us in scores.items()}}
-    return record, timings, errors
+              "index": chosen, "autotuned": record["index"]}
+    if scores:
+        record["finalists_us"] = {str(i): round(us, 3) for i, us in scores.items()}
+    return record, {m: without_finalists(entries) for m, entries in timings.items()}, without_finalists(errors)
 
 
 # cuBLASLt's choice per problem, kept for the process's life (its later jobs).

@@ -4,8 +4,6 @@ budget runs out, with the next batch compiling while this one is on the GPU."""
 from __future__ import annotations
 
 import hashlib
-import re
-import shlex
 import threading
 import time
 from collections import Counter
@@ -13,18 +11,17 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass, field
-from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
 from .candidate import Candidate
-from .compile import flags
 from .errors import Cudal2Error
-from .leaderboard import BASELINES, Leaderboard, select, source_hash
+from .leaderboard import BASELINES, select, source_hash
 from .pipeline import Built, Context, build_all, invalid_row, measure_baselines, measure_rows, session_size
 from .problem import Problem
 from .propose import Proposer, from_proposer
 from .render import render
+from .runtime import export_best
 
 
 @dataclass(frozen=True)
@@ -385,32 +382,3 @@ def best_row(history: list[dict[str, Any]], mode: str = "offline") -> dict[str, 
     ok = [r for r in history if r.get("status") == "ok" and r["kernel"] not in BASELINES
           and r.get(key) and r[key] == r[key]]
     return max(ok, key=lambda r: r[key], default=None)
-
-
-def _slug(text: str) -> str:
-    return re.sub(r"[^A-Za-z0-9._-]+", "_", text).strip("_") or "gpu"
-
-
-def export_best(leaderboard: Leaderboard, results: Path, row: dict[str, Any], mode: str = "offline") -> Path:
-    """A measured kernel (a leaderboard row) as a self-contained .cu file under
-    results/best/<gpu>/<dtype>_<layout>/<m>_<n>_<k>.cu, with a header saying what it is and
-    how it measured."""
-    p = Problem(int(row["m"]), int(row["n"]), int(row["k"]), row["dtype"], row["layout"])
-    path = results / "best" / _slug(row.get("gpu") or "gpu") / f"{p.dtype}_{p.layout}" / f"{p.m}_{p.n}_{p.k}.cu"
-    origin = (f"template {row['template']} {row['params']}" if isinstance(row.get("template"), str)
-              else f"proposer {row.get('proposer')} model {row.get('model')}")
-    header = "\n".join([
-        f"// cudal2 best kernel for C[{p.m},{p.n}] = A[{p.m},{p.k}] @ {'B' if p.layout == 'nn' else 'W^T'} "
-        f"({p.dtype}, layout {p.layout}, fp32 accumulation)",
-        f"// speedup {row[f'speedup_{mode}']:.3f}x over the fastest library call, {row.get('baseline')} "
-        f"({row[f'baseline_{mode}_us']:.2f} us -> {row[f'{mode}_us']:.2f} us, {mode}, bench {row.get('bench')}) "
-        f"on {row.get('gpu')} ({row.get('arch')})",
-        f"// measured {row['time'] if 'time' in row else datetime.now(timezone.utc)}; {origin}",
-        f"// build (the flags cudal2 compiles with): {shlex.join(['nvcc', *flags(row.get('arch') or 'sm_90a'), 'kernel.cu', '-o', 'kernel.so'])}",
-        "",
-    ])
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(header + leaderboard.source(row["source_hash"]))
-    tmp.replace(path)
-    return path

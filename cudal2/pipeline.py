@@ -11,7 +11,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
-from .baselines import COLUMN, NAMES as BASELINES, algo_json, build_baselines, choose_finalist
+from .baselines import COLUMN, NAMES as BASELINES, RETIMED, algo_json, build_baselines, choose_finalist
 from .bench import INPUT_SETS, OFFLINE_METHODS, PROTOCOL, claimed
 from .candidate import Candidate
 from .compile import Build, Compiler
@@ -128,9 +128,11 @@ def timing_columns(timings: dict[str, dict[str, dict]], name: str, flops: int) -
 def measure_baselines(ctx: Context) -> list[dict[str, Any]]:
     """cuBLAS, cuBLASLt autotuned and torch.matmul (when importable), in one worker call.
     The problem's first such call also decides between cuBLASLt's finalists in its session
-    (baselines.finalists); the choice holds for the context's later jobs."""
+    (baselines.finalists), where memory holds them; the choice holds for the context's later
+    jobs."""
     first = ctx.problem not in ctx.cublaslt
-    result = ctx.worker.request(ctx.job("baselines", finalists=first), ctx.settings.timeout)
+    finalists = first and session_size(ctx) >= RETIMED - 1  # up to RETIMED - 1 more contestants
+    result = ctx.worker.request(ctx.job("baselines", finalists=finalists), ctx.settings.timeout)
     if result.get("status") != "ok":
         raise Cudal2Error(f"the library baselines failed ({result.get('status')}): {result.get('error')}")
     record, timings, errors = result.get("cublaslt"), result["timings"], result.get("errors", {})

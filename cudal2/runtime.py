@@ -15,18 +15,22 @@ picks none.
 from __future__ import annotations
 
 import json
+import re
+import shlex
 import shutil
 import warnings
 from dataclasses import asdict, dataclass
+from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
 import pandas as pd
 
 from .bench import TIE
-from .compile import Compiler
+from .compile import Compiler, flags
 from .errors import Cudal2Error
 from .leaderboard import Leaderboard, best
+from .problem import Problem
 
 INDEX = "index.json"
 VERSION_KEYS = ("gpu", "driver")  # a mismatch in any: every call falls back
@@ -142,3 +146,32 @@ def serving(table: DispatchTable, environment: dict[str, Any]) -> bool:
         warnings.warn(f"cudal2 library {table.root}: {reason}; every call falls back to the library call",
                       stacklevel=2)
     return reason is None
+
+
+def _slug(text: str) -> str:
+    return re.sub(r"[^A-Za-z0-9._-]+", "_", text).strip("_") or "gpu"
+
+
+def export_best(leaderboard: Leaderboard, results: Path, row: dict[str, Any], mode: str = "offline") -> Path:
+    """A measured kernel (a leaderboard row) as a self-contained .cu file under
+    results/best/<gpu>/<dtype>_<layout>/<m>_<n>_<k>.cu, with a header saying what it is and
+    how it measured."""
+    p = Problem(int(row["m"]), int(row["n"]), int(row["k"]), row["dtype"], row["layout"])
+    path = results / "best" / _slug(row.get("gpu") or "gpu") / f"{p.dtype}_{p.layout}" / f"{p.m}_{p.n}_{p.k}.cu"
+    origin = (f"template {row['template']} {row['params']}" if isinstance(row.get("template"), str)
+              else f"proposer {row.get('proposer')} model {row.get('model')}")
+    header = "\n".join([
+        f"// cudal2 best kernel for C[{p.m},{p.n}] = A[{p.m},{p.k}] @ {'B' if p.layout == 'nn' else 'W^T'} "
+        f"({p.dtype}, layout {p.layout}, fp32 accumulation)",
+        f"// speedup {row[f'speedup_{mode}']:.3f}x over the fastest library call, {row.get('baseline')} "
+        f"({row[f'baseline_{mode}_us']:.2f} us -> {row[f'{mode}_us']:.2f} us, {mode}, bench {row.get('bench')}) "
+        f"on {row.get('gpu')} ({row.get('arch')})",
+        f"// measured {row['time'] if 'time' in row else datetime.now(timezone.utc)}; {origin}",
+        f"// build (the flags cudal2 compiles with): {shlex.join(['nvcc', *flags(row.get('arch') or 'sm_90a'), 'kernel.cu', '-o', 'kernel.so'])}",
+        "",
+    ])
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(header + leaderboard.source(row["source_hash"]))
+    tmp.replace(path)
+    return path

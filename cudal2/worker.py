@@ -65,8 +65,9 @@ class Worker:
         A session of the protocol (op "baselines", or "kernels": verified kernels beside the
         baselines): both processes set up (the graph process autotunes first), then each
         times rounds of its methods (at least MIN_ROUNDS) for the job's timing budget, which
-        grows with its kernels so that each contestant gets the rounds it would in a session
-        of one kernel; after SOAK_S of untimed replays for calls of SOAK_US or more. For
+        grows with its contestants beyond one kernel and the baselines, so that each gets the
+        rounds it would in a session of one kernel; after SOAK_S of untimed replays for calls
+        (cuBLAS's) of SOAK_US or more. For
         calls of INTERLEAVE_US or more, the two processes' rounds alternate (twice the budget
         in all), so that clock and thermal drift fall on both methods alike; then each
         returns its methods' timings. A study protocol's job runs in the graph process alone."""
@@ -77,8 +78,8 @@ class Worker:
         if second.get("status") != "ok":
             return {**first, **second, "timings": {}}
         children = (self._graph, self._cupti)
-        kernels = len(job.get("kernels", ())) or 1
-        budget = job["settings"].get("budget_s", 1.0) * (kernels + len(BASELINES)) / (1 + len(BASELINES))
+        contestants = first.get("contestants", 1 + len(BASELINES))
+        budget = job["settings"].get("budget_s", 1.0) * max(1.0, contestants / (1 + len(BASELINES)))
         typical = first.get("typical_us") or INTERLEAVE_US
         short = typical < INTERLEAVE_US
         temperature = None
@@ -107,9 +108,11 @@ class Worker:
         next request starts a fresh process), then times the verified ones together, in one
         session of the protocol beside the baselines (`job`: the problem's, op "kernels"):
         one result per library, verify's verdict with the kernel's timings and the
-        baselines' of its session under "kernel" and their names. A kernel rejected while
-        timed leaves, and the others are timed again without it; a session that crashed or
-        hung with no kernel to blame times each kernel alone, so that one is found."""
+        baselines' of its session under "kernel" and their names. A session of several that
+        fails (a check, a crash, a hang) convicts none: the contestant whose check failed may
+        be another's victim (a kernel that writes into cuBLAS's output, say), so each kernel
+        left is timed alone, and a session of one answers for its kernel. A kernel below the
+        physical limit is rejected at the finish, by its own times."""
         results = [self._graph.request({**job, "op": "kernel", "library": library}, timeout) for library in libraries]
         if job["settings"].get("protocol") in STUDY_PROTOCOLS:
             return results
@@ -130,11 +133,11 @@ class Worker:
                                       "temperature_c": answer.get("temperature_c"),
                                       "timings": _own_timings(answer["timings"], name)}
                 pending = [i for i in pending if i not in group.values()]
-            elif answer.get("contestant") in group or len(group) == 1:
-                i = group.get(answer.get("contestant"), next(iter(group.values())))
+            elif len(group) == 1:
+                i = next(iter(group.values()))
                 results[i] = {**results[i], "status": answer["status"], "error": answer.get("error"), "timings": {}}
                 pending.remove(i)
-            else:  # a crash or a hang with no kernel named: alone, each answers for itself
+            else:
                 alone = True
         return results
 
@@ -328,7 +331,7 @@ def _kernels_job(job: dict[str, Any], environment: dict[str, Any], timer) -> dic
                             environment=environment, rng=rng, tolerance=tolerance)
         except Rejected as r:
             return _rejected(r, frozenset(kernels))
-    return {"status": "ok", "cublaslt": record, "typical_us": session.typical_us}
+    return {"status": "ok", "cublaslt": record, "typical_us": session.typical_us, "contestants": len(session.names)}
 
 
 def _open(kind: str, job: dict[str, Any], run: dict, problem: Problem, **timing: Any):
@@ -441,4 +444,5 @@ def _baselines_job(job: dict[str, Any], environment: dict[str, Any], timer) -> d
         tolerance = {name: 2 * UNIT_ROUNDOFF[problem.dtype] for name in run}
         session = _open("baselines", job, run, problem, stream=stream, timer=timer, environment=environment,
                         rng=rng, tolerance=tolerance)
-    return {"status": "ok", "errors": errors, "cublaslt": record, "typical_us": session.typical_us}
+    return {"status": "ok", "errors": errors, "cublaslt": record, "typical_us": session.typical_us,
+            "contestants": len(session.names)}

@@ -42,7 +42,7 @@ sys.path.insert(0, str(ROOT))
 
 import cupy  # noqa: E402
 
-from cudal2.baselines import CublasLt, build_baselines, torch_gemm  # noqa: E402
+from cudal2.baselines import CublasLt, abi_call, build_baselines, torch_gemm  # noqa: E402
 from cudal2.bench import graph_rounds, kernel_rounds  # noqa: E402
 from cudal2.compile import Compiler  # noqa: E402
 from cudal2.config import load_settings  # noqa: E402
@@ -51,7 +51,6 @@ from cudal2.leaderboard import Leaderboard, best, select  # noqa: E402
 from cudal2.measure import CuptiTimer, InputSets  # noqa: E402
 from cudal2.shapes import read_shapes  # noqa: E402
 from cudal2.verify import Kernel, poison_output  # noqa: E402
-from cudal2.worker import _abi_call  # noqa: E402
 import cudal2.measure as measure  # noqa: E402
 
 # The neighbour the protocol first used (and these variants' default): an elementwise pass
@@ -106,8 +105,8 @@ def contestants(problem, claim, board, compiler, stream):
     lt.algorithms(problem)
     workspace = {name: cupy.empty(max(1, k.workspace_bytes(problem.m, problem.n, problem.k)), cupy.uint8)
                  for name, k in (("kernel", kernel), ("cuBLASLt", lt.kernel))}
-    run = {"kernel": _abi_call(kernel, workspace["kernel"], problem, stream, "kernel"),
-           "cuBLASLt": _abi_call(lt.kernel, workspace["cuBLASLt"], problem, stream, "cuBLASLt")}
+    run = {"kernel": abi_call(kernel, workspace["kernel"], problem, stream, "kernel"),
+           "cuBLASLt": abi_call(lt.kernel, workspace["cuBLASLt"], problem, stream, "cuBLASLt")}
     if (torch_run := torch_gemm(problem, stream)) is not None:
         run["torch.matmul"] = torch_run
     return run

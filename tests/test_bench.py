@@ -193,6 +193,28 @@ def test_cublaslt_autotuning_times_the_close_algorithms_again_and_keeps_the_fast
                       "retimed": [1, 2], "cublas_default_us": 9.7}
 
 
+def test_cublaslts_finalists_keep_the_heuristics_first_and_are_judged_offline():
+    from cudal2.baselines import choose_finalist, finalists
+
+    record = {"index": 5, "retimed": [5, 4, 1, 2], "finalist_configs": {"5": {"tile": 5}, "0": {"tile": 0}}}
+    assert finalists(record) == [5, 0, 4, 1]  # what a plain cuBLASLt call runs is always among them
+    us = lambda v: {"median_us": v}
+    names = ("cuBLASLt", "cuBLASLt@0", "cuBLASLt@4", "cuBLASLt@1")
+    timings = {"kernel": dict(zip(names, map(us, (10.0, 9.0, 9.5, 11.0)))) | {"cuBLAS": us(9.8)},
+               "graph": dict(zip(names, map(us, (10.0, 9.2, 9.4, 11.0)))) | {"cuBLAS": us(9.9)},
+               "server": dict(zip(names, map(us, (5.0, 20.0, 20.0, 20.0)))) | {"cuBLAS": us(20.0)}}  # cold L2: not judged
+    errors = {name: (1e-4, 1e-3) for name in (*names, "cuBLAS")}
+    chosen, kept, kept_errors = choose_finalist(record, timings, errors)
+    assert chosen["index"] == 0 and chosen["autotuned"] == 5 and chosen["tile"] == 0
+    assert kept["kernel"]["cuBLASLt"] == us(9.0) and kept["server"]["cuBLASLt"] == us(20.0)
+    assert all(set(entries) == {"cuBLAS", "cuBLASLt"} for entries in kept.values()) and set(kept_errors) == {"cuBLAS", "cuBLASLt"}
+    # a finalist missing from the timings: the pick stays, and no finalist is left to be a row
+    del timings["graph"]["cuBLASLt@4"]
+    chosen, kept, _ = choose_finalist(record, timings, errors)
+    assert chosen["index"] == 5 and "finalists_us" not in chosen and "finalist_configs" not in chosen
+    assert kept["kernel"]["cuBLASLt"] == us(10.0) and set(kept["kernel"]) == {"cuBLAS", "cuBLASLt"}
+
+
 class StandInChild:
     """A worker process stood in for: answers each job from `answer(job)`, logging them."""
 
@@ -285,21 +307,24 @@ def test_short_calls_are_timed_in_one_block_per_process_the_graph_first():
     assert ops[2:-2] == [("graph", "round")] * MIN_ROUNDS + [("cupti", "round")] * MIN_ROUNDS
 
 
-def test_a_session_of_more_kernels_times_longer_so_each_gets_the_rounds_it_would_alone(monkeypatch):
+def test_a_session_of_more_contestants_times_longer_so_each_gets_the_rounds_it_would_alone(monkeypatch):
     """A round of a session of 8 kernels and 3 baselines times 11 contestants: for the same
-    rounds per contestant as a kernel timed alone with the baselines, 11/4 of the budget."""
+    rounds per contestant as a kernel timed alone with the baselines, 11/4 of the budget. The
+    baselines alone get the budget of one kernel's session, and with 3 finalists 6/4 of it."""
     import cudal2.worker as worker_module
 
     clock = iter(range(10_000))
     monkeypatch.setattr(worker_module.time, "perf_counter", lambda: next(clock) * 0.01)  # 10 ms a request
-    budgets = {}
-    for kernels in (1, 8):
-        worker, log = two_phase_worker(session_answers({"status": "ok", "typical_us": 1.0}, {}),
+    rounds = {}
+    for contestants in (3, 4, 6, 11):
+        worker, log = two_phase_worker(session_answers({"status": "ok", "typical_us": 1.0, "contestants": contestants}, {}),
                                        session_answers({"status": "ok"}, {}))
         settings = {"protocol": "cupti-graph-3", "budget_s": 0.4}
-        worker.request({**job(kernels=kernels), "settings": settings}, 10)
-        budgets[kernels] = [op for _, op, _ in log].count("round")
-    assert budgets[8] == pytest.approx(budgets[1] * 11 / 4, rel=0.1)
+        worker.request({**job(kernels=max(0, contestants - 3)), "settings": settings}, 10)
+        rounds[contestants] = [op for _, op, _ in log].count("round")
+    assert rounds[3] == pytest.approx(rounds[4], rel=0.05)
+    assert rounds[11] == pytest.approx(rounds[4] * 11 / 4, rel=0.1)
+    assert rounds[6] == pytest.approx(rounds[4] * 6 / 4, rel=0.1)
 
 
 def measuring_worker(verdicts, sessions):
@@ -346,18 +371,21 @@ def test_measure_verifies_each_kernel_alone_then_times_the_verified_together():
     assert results[0]["cublaslt"] == {"index": 0} and "timings" not in results[1]
 
 
-def test_a_kernel_rejected_while_timed_leaves_and_the_others_are_timed_again_without_it():
+def test_a_check_failing_in_a_session_of_several_convicts_none_until_each_is_timed_alone():
+    """kernel:1's output differed in the shared session, but another kernel may have written
+    into it (or into cuBLAS's, the reference): alone, b passes and a is caught."""
     ok = {"status": "ok", "tolerance": 0.01}
-    caught = session_answers({"status": "ok", "typical_us": 1.0}, {}, failing_round=2,
-                             failure={"status": "cheat", "error": "a cached result", "contestant": "kernel:1"})
-    again = (session_answers({"status": "ok", "typical_us": 1.0}, {"graph": timed("kernel:0")}),
-             session_answers({"status": "ok"}, {"kernel": timed("kernel:0")}))
-    worker, log, opened = measuring_worker({"a.so": ok, "b.so": ok},
-                                           [(session_answers({"status": "ok", "typical_us": 1.0}, {}), caught), again])
+    caught = lambda name: session_answers({"status": "ok"}, {}, failing_round=2, failure={
+        "status": "cheat", "error": f"{name}: output of a timed call differs", "contestant": name})
+    shared = (session_answers({"status": "ok", "typical_us": 1.0}, {}), caught("kernel:1"))
+    a_alone = (session_answers({"status": "ok", "typical_us": 1.0}, {}), caught("kernel:0"))
+    b_alone = (session_answers({"status": "ok", "typical_us": 1.0}, {"graph": timed("kernel:1")}),
+               session_answers({"status": "ok"}, {"kernel": timed("kernel:1")}))
+    worker, log, opened = measuring_worker({"a.so": ok, "b.so": ok}, [shared, a_alone, b_alone])
     results = worker.measure(job(), ["a.so", "b.so"], 10)
-    assert opened == [["a.so", "b.so"], ["a.so"]]
-    assert results[1]["status"] == "cheat" and "cached" in results[1]["error"] and results[1]["timings"] == {}
-    assert results[0]["status"] == "ok" and results[0]["timings"]["kernel"]["kernel"] == {"median_us": 10.0}
+    assert opened == [["a.so", "b.so"], ["a.so"], ["b.so"]]
+    assert results[0]["status"] == "cheat" and "kernel:0" in results[0]["error"] and results[0]["timings"] == {}
+    assert results[1]["status"] == "ok" and results[1]["timings"]["kernel"]["kernel"] == {"median_us": 10.0}
 
 
 def test_a_session_that_crashed_naming_no_kernel_times_each_alone_to_find_it():

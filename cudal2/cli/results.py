@@ -101,7 +101,7 @@ def leaderboard_cmd(
 
 def export_rows(board: Leaderboard, results: Path, rows: pd.DataFrame) -> None:
     """Each best-kernel row as a self-contained .cu file (stderr says where)."""
-    from ..optimize import export_best
+    from ..runtime import export_best
 
     paths = [export_best(board, results, row) for row in rows.to_dict("records") if row.get("source_hash")]
     typer.echo(f"exported {len(paths)} kernel(s) to {results / 'best'}", err=True)
