@@ -1,0 +1,233 @@
+"""Jobs: what a GPU worker process does with each request of its parent (cudal2/worker.py).
+
+It owns the GPU through CuPy, verifies kernels, opens a timing session (measure.Session)
+and times its rounds. Anything that fails after untrusted code ran is that code's crash:
+the process reports it and exits, so the parent starts a fresh one.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import traceback
+from typing import Any
+
+from .baselines import abi_call, library_calls
+from .bench import STUDY_PROTOCOLS, study_job
+from .problem import Problem
+from .verify import UNIT_ROUNDOFF, poison_output
+
+
+def serve(conn, device: int, cupti: bool) -> None:
+    try:
+        import cupy
+
+        from .environment import describe_device
+        from .measure import CuptiTimer
+
+        if cupy.cuda.runtime.getDeviceCount() <= device:
+            raise RuntimeError(f"device {device} does not exist")
+        cupy.cuda.Device(device).use()
+        environment = describe_device(device)
+        try:  # no persisting-L2 carve-out survives from earlier work
+            cupy.cuda.runtime.deviceSetLimit(0x06, 0)  # cudaLimitPersistingL2CacheSize
+        except cupy.cuda.runtime.CUDARuntimeError:
+            pass
+        timer = CuptiTimer() if cupti else None
+    except Exception as exc:  # no driver, no device, no CuPy, no CUPTI
+        conn.send({"fatal": f"no usable CUDA device: {str(exc).splitlines()[0] if str(exc) else type(exc).__name__}"})
+        return
+    conn.send({"environment": environment})
+    handlers = {"kernel": _kernel_job, "kernels": _kernels_job, "baselines": _baselines_job, "round": _round_job,
+                "soak": _soak_job, "finish": _finish_job, "memory": _memory_job}
+    while True:
+        job = conn.recv()
+        if job is None:
+            return
+        untrusted = job["op"] in ("kernel", "kernels") or (
+            job["op"] in ("round", "soak", "finish") and _SESSION.get("kind") == "kernels")
+        try:
+            result = handlers[job["op"]](job, environment, timer)
+        except (cupy.cuda.runtime.CUDARuntimeError, cupy.cuda.driver.CUDADriverError) as exc:
+            # The context may be unusable (illegal address, launch failure): report and die.
+            conn.send({"status": "crash", "error": str(exc)})
+            os._exit(3)
+        except Exception:
+            if untrusted:
+                # After untrusted code ran, any failure (a cuBLAS or CuPy error from a broken
+                # context, say) is the kernel's: a crash, with the traceback as its reason.
+                conn.send({"status": "crash", "error": traceback.format_exc()[-2000:]})
+                os._exit(3)
+            conn.send({"status": "error", "error": traceback.format_exc()})
+        else:
+            conn.send(result)
+
+
+# The open timing session of this process (a job's measure.Session, between its rounds).
+_SESSION: dict[str, Any] = {}
+
+
+def _methods(job: dict[str, Any]) -> tuple[str, ...]:
+    """The timing methods of this job's phase: the graph process's, or the CUPTI process's."""
+    return ("kernel", "server") if job.get("phase") == "cupti" else ("graph",)
+
+
+def _kernel_job(job: dict[str, Any], environment: dict[str, Any], timer) -> dict[str, Any]:
+    """Verifies one kernel (graph process); a study protocol's job then times it as it did."""
+    import cupy
+
+    from .baselines import cublas_gemm
+    from .verify import Kernel, seed_from_os, verify
+
+    problem = Problem(**job["problem"])
+    rng = random.Random(seed_from_os())
+    stream = cupy.cuda.Stream(non_blocking=True)
+    kernel = Kernel(job["library"])
+    with stream:
+        verdict = verify(kernel, problem, stream, cublas_gemm(problem, stream), rng)
+        result = {"status": verdict.status, "error": verdict.reason,
+                  "max_error": verdict.max_error, "tolerance": verdict.tolerance}
+        if verdict.status == "ok" and job["settings"].get("protocol") in STUDY_PROTOCOLS:
+            return {**result, **study_job(job, environment, stream, rng, kernel)}
+    return result
+
+
+def _kernels_job(job: dict[str, Any], environment: dict[str, Any], timer) -> dict[str, Any]:
+    """Opens this process's session of verified kernels (job["kernels"]: name, library,
+    tolerance) beside the baselines."""
+    import cupy
+
+    from .verify import Kernel, Rejected, seed_from_os
+
+    problem = Problem(**job["problem"])
+    rng = random.Random(seed_from_os())
+    stream = cupy.cuda.Stream(non_blocking=True)
+    with stream:
+        run, record = library_calls(problem, job, stream, rng)
+        tolerance = {name: 2 * UNIT_ROUNDOFF[problem.dtype] for name in run}
+        kernels = {}
+        for entry in job["kernels"]:
+            kernel = Kernel(entry["library"])
+            workspace = cupy.empty(max(1, kernel.workspace_bytes(problem.m, problem.n, problem.k)), cupy.uint8)
+            kernels[entry["name"]] = abi_call(kernel, workspace, problem, stream, entry["name"])
+            tolerance[entry["name"]] = entry["tolerance"]
+        try:
+            session = _open("kernels", job, {**kernels, **run}, problem, stream=stream, timer=timer,
+                            environment=environment, rng=rng, tolerance=tolerance)
+        except Rejected as r:
+            return _rejected(r, frozenset(kernels))
+    return {"status": "ok", "cublaslt": record, "typical_us": session.typical_us, "contestants": len(session.names)}
+
+
+def _open(kind: str, job: dict[str, Any], run: dict, problem: Problem, **timing: Any):
+    """This process's timing session of the job (its phase's methods), kept for the rounds
+    and the finish that follow; `kind`: "kernels" (their contestants the suspects) or
+    "baselines"."""
+    from .measure import Session
+
+    _SESSION.clear()
+    _release_memory()
+    suspects = frozenset(name for name in run if name.startswith("kernel:")) if kind == "kernels" else frozenset()
+    session = Session(run, problem, settings=job["settings"], methods=_methods(job), suspects=suspects, **timing)
+    _SESSION.update(session=session, kind=kind, problem=problem)
+    return session
+
+
+def _round_job(job: dict[str, Any], environment: dict[str, Any], timer) -> dict[str, Any]:
+    """One round of the open session's methods."""
+    from .verify import Rejected
+
+    try:
+        _SESSION["session"].round()
+    except Rejected as r:
+        return _rejected(r, _SESSION["session"].suspects)
+    return {"status": "ok"}
+
+
+def _soak_job(job: dict[str, Any], environment: dict[str, Any], timer) -> dict[str, Any]:
+    """The open session's graphs replayed, untimed, for the job's seconds."""
+    _SESSION["session"].soak(job["seconds"])
+    return {"status": "ok"}
+
+
+def _finish_job(job: dict[str, Any], environment: dict[str, Any], timer) -> dict[str, Any]:
+    """The open session's timings, and the kernels it rejects (`rejected`: name -> status,
+    reason): one faster than this GPU's physical limit is a cheat."""
+    from .verify import Rejected, physical_floor_us
+
+    session, problem = _SESSION["session"], _SESSION["problem"]
+    try:
+        timings = session.finish()
+    except Rejected as r:
+        return _rejected(r, session.suspects)
+    _SESSION.clear()
+    rejected = {}
+    for method, entries in timings.items():
+        floor = physical_floor_us(problem, environment, cold_l2=method == "server")
+        for name in sorted(session.suspects - set(rejected)):
+            if entries[name]["median_us"] < 0.9 * floor:
+                rejected[name] = ("cheat", f"{method} time {entries[name]['median_us']:.2f} us is below the "
+                                           f"physical limit {floor:.2f} us of this GPU")
+    return {"status": "ok", "timings": timings, "rejected": rejected}
+
+
+def _memory_job(job: dict[str, Any], environment: dict[str, Any], timer) -> dict[str, Any]:
+    """The bytes this process's CuPy memory pool holds, in use or kept free."""
+    import cupy
+
+    return {"status": "ok", "pool_bytes": cupy.get_default_memory_pool().total_bytes()}
+
+
+def _release_memory() -> None:
+    """Returns the memory pools' free blocks to the driver before a session allocates its
+    own: each problem's input sets are sized by it, and pools that keep every size seen held
+    80 GiB of an H200 after 24 shapes of a shape set, until an allocation failed."""
+    import gc
+    import sys
+
+    import cupy
+
+    gc.collect()
+    cupy.get_default_memory_pool().free_all_blocks()
+    cupy.get_default_pinned_memory_pool().free_all_blocks()
+    if (torch := sys.modules.get("torch")) is not None and torch.cuda.is_initialized():
+        torch.cuda.empty_cache()
+
+
+def _rejected(r, suspects: frozenset[str]) -> dict[str, Any]:
+    """A contestant failed a check while timed: a kernel's verdict, naming it (the session is
+    over), or (a baseline's) an error of the bench."""
+    _SESSION.clear()
+    if r.contestant not in suspects:
+        raise RuntimeError(f"a baseline failed its output check: {r}")
+    return {"status": r.status, "error": str(r), "contestant": r.contestant}
+
+
+def _baselines_job(job: dict[str, Any], environment: dict[str, Any], timer) -> dict[str, Any]:
+    import cupy
+
+    from .verify import Numerics, Operands, compare, seed_from_os
+
+    problem = Problem(**job["problem"])
+    rng = random.Random(seed_from_os())
+    stream = cupy.cuda.Stream(non_blocking=True)
+    num = Numerics(problem.dtype)
+    with stream:
+        if job["settings"].get("protocol") in STUDY_PROTOCOLS:
+            return {"status": "ok", **study_job(job, environment, stream, rng, None)}
+        run, record = library_calls(problem, job, stream, rng)
+        errors = {}
+        if job.get("phase") != "cupti":
+            ops = Operands(problem, 0, num)
+            ops.fill("normal", rng)
+            ref = ops.reference()
+            for name, call in run.items():  # each baseline against the fp32 reference once
+                out = cupy.empty_like(ops.c)
+                poison_output(out)
+                call(ops.a, ops.b, out)
+                errors[name] = compare(out, ref, num)[:2]
+        tolerance = {name: 2 * UNIT_ROUNDOFF[problem.dtype] for name in run}
+        session = _open("baselines", job, run, problem, stream=stream, timer=timer, environment=environment,
+                        rng=rng, tolerance=tolerance)
+    return {"status": "ok", "errors": errors, "cublaslt": record, "typical_us": session.typical_us,
+            "contestants": len(session.names)}
