@@ -5,6 +5,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import threading
 import uuid
 import warnings
 from datetime import datetime, timezone
@@ -142,13 +143,18 @@ class Leaderboard:
     """Rows under `root/leaderboard/*.parquet`, kernel sources under `root/sources/<hash>.cu`.
 
     Each append writes one part file under a temporary name and renames it, so an
-    interrupted run or a concurrent writer never leaves a half-written part behind.
+    interrupted run or a concurrent writer never leaves a half-written part behind. A part
+    is never written again once in place, so each is read once per Leaderboard: a shape set
+    reads the leaderboard at every shape, and reading every part each time grew with the
+    run (1.2 s for 264 parts, 4.5 ms a part; a 1,000-shape grid writes about 3,000).
     """
 
     def __init__(self, root: Path):
         self.root = Path(root)
         self.parts = self.root / "leaderboard"
         self.sources = self.root / "sources"
+        self._read: dict[Path, tuple[tuple[int, int], pa.Table]] = {}  # part -> (size, mtime), table
+        self._lock = threading.Lock()
 
     def append(self, rows: list[dict[str, Any]]) -> Path | None:
         if not rows:
@@ -198,11 +204,23 @@ class Leaderboard:
         if self.parts.exists() and not os.access(self.parts, os.R_OK | os.X_OK):
             raise Cudal2Error(f"cannot read leaderboard directory {self.parts}")
         tables = []
-        for path in sorted(self.parts.glob("*.parquet")) if self.parts.exists() else []:
-            try:
-                tables.append((path, _read_part(path)))
-            except Exception as exc:  # a corrupt or foreign file costs itself, nothing else
-                warnings.warn(f"skipping {path.name}: {exc}", stacklevel=3)
+        with self._lock:
+            present = sorted(self.parts.glob("*.parquet")) if self.parts.exists() else []
+            for gone in set(self._read) - set(present):
+                del self._read[gone]
+            for path in present:
+                try:
+                    stat = path.stat()
+                except FileNotFoundError:  # removed meanwhile (a migration)
+                    continue
+                key = (stat.st_size, stat.st_mtime_ns)
+                if path not in self._read or self._read[path][0] != key:
+                    try:
+                        self._read[path] = (key, _read_part(path))
+                    except Exception as exc:  # a corrupt or foreign file costs itself, nothing else
+                        warnings.warn(f"skipping {path.name}: {exc}", stacklevel=3)
+                        continue
+                tables.append((path, self._read[path][1]))
         return tables
 
     def migrate(self) -> tuple[int, int]:

@@ -13,6 +13,7 @@ import dataclasses
 import itertools
 import json
 import math
+import operator
 import random
 import statistics
 from collections.abc import Callable
@@ -98,6 +99,12 @@ class Correction:
         return math.exp(self.base[name] + sum(self.effect.get((name, k, v), 0.0) for k, v in params.items()))
 
 
+def _values_of(names: tuple[str, ...]):
+    """A function giving a configuration's values of `names`, in that order, as a tuple."""
+    getter = operator.itemgetter(*names)
+    return getter if len(names) > 1 else (lambda params: (getter(params),))
+
+
 class SearchProposer:
     """Starts from what won on the nearest problems and the cost model's ranking, then
     searches around what measured best.
@@ -153,8 +160,9 @@ class SearchProposer:
             # term for some parameters, stages say, whose defaults are the measured-good
             # choices), then a seeded shuffle.
             rng = random.Random(self.seed)
-            defaults = {name: self.templates[name].space.defaults() for name in self.templates}
-            keyed = [(t, sum(v != defaults[name][key] for key, v in params.items()), rng.random(), name, params)
+            values = {name: _values_of(tuple(t.space.params)) for name, t in self.templates.items()}
+            defaults = {name: values[name](t.space.defaults()) for name, t in self.templates.items()}
+            keyed = [(t, sum(map(operator.ne, values[name](params), defaults[name])), rng.random(), name, params)
                      for t, name, params in ranked]
             keyed.sort(key=lambda e: e[:3])
             self._ranking[problem] = [(t, name, params) for t, _, _, name, params in keyed]

@@ -121,6 +121,7 @@ class Space:
     _valid: dict[int, tuple[tuple[Any, ...], ...]] = field(default_factory=dict, compare=False, repr=False)
     # The `derived` and `cost` tables compiled (see _assignments), by table name.
     _code: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
+    _cost_reads: list[str] = field(default_factory=list, compare=False, repr=False)  # see cost_params
 
     @classmethod
     def load(cls, path: Path) -> Space:
@@ -285,6 +286,13 @@ class Space:
         for name in derived:
             env[name] = _evaluate(self.derived[name], env)
         return bool(_evaluate(rule, env))
+
+    def cost_params(self) -> tuple[str, ...]:
+        """The parameters the [cost] table reads (through derived values): two configurations
+        alike in these have the same cost inputs on every problem."""
+        if not self._cost_reads:
+            self._cost_reads.extend(sorted(set().union(*(self.reads(expr)[0] for expr in self.cost.values()))))
+        return tuple(self._cost_reads)
 
     def reads(self, expr: str) -> tuple[set[str], set[str]]:
         """(parameters, derived values) an expression reads, through derived values."""

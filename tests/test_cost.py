@@ -221,3 +221,15 @@ def test_swapped_operands_tile_n_by_tile_m_and_nn_needs_them_for_widths_off_64()
     assert predict_us(template, params, nn, H200) == math.inf
     assert predict_us(template, params, nt, H200) < math.inf
     assert predict_us(template, swapped, nn, H200) < math.inf
+
+
+def test_configurations_alike_in_what_the_cost_model_reads_are_priced_once_and_alike():
+    """rank() prices one configuration per combination of the parameters the [cost] table
+    reads; every configuration's price is still its own."""
+    templates = {"sm80_mma": load_templates()["sm80_mma"]}
+    reads = templates["sm80_mma"].space.cost_params()
+    assert "block_m" in reads and "group_m" not in reads  # rasterisation: no term in the model
+    for problem in (Problem(1024, 2048, 512), Problem(100, 200, 300, "bf16", "nt")):
+        ranked = rank(templates, problem, H200)
+        assert len(ranked) > 10_000
+        assert all(us == predict_us(templates[name], params, problem, H200) for us, name, params in ranked)

@@ -39,6 +39,27 @@ def test_corrupt_and_foreign_files_are_skipped_with_a_warning(tmp_path):
     assert "part-broken.parquet" in messages and "foreign.parquet" in messages
 
 
+def test_each_part_is_read_once_and_new_or_removed_parts_are_seen(tmp_path, monkeypatch):
+    """A shape set reads the leaderboard at every shape: the parts already read are not
+    read again, what another writer adds is, and a migration's removals are gone."""
+    import importlib
+
+    module = importlib.import_module("cudal2.leaderboard")  # (cudal2.leaderboard is also the API function)
+
+    reads = []
+    real = module._read_part
+    monkeypatch.setattr(module, "_read_part", lambda path: reads.append(path.name) or real(path))
+    lb = Leaderboard(tmp_path)
+    lb.append([row("a", 1.1)])
+    lb.append([row("b", 1.2)])
+    assert len(lb.read()) == 2 and len(reads) == 2
+    assert len(lb.read()) == 2 and len(reads) == 2  # nothing read again
+    Leaderboard(tmp_path).append([row("c", 1.3)])  # another writer
+    assert sorted(lb.read()["kernel"]) == ["a", "b", "c"] and len(reads) == 3  # only the new part read
+    assert lb.migrate() == (3, 3)
+    assert sorted(lb.read()["kernel"]) == ["a", "b", "c"] and len(list(lb.parts.glob("*.parquet"))) == 1
+
+
 def test_unknown_columns_are_refused(tmp_path):
     with pytest.raises(ValueError, match="unknown leaderboard columns"):
         Leaderboard(tmp_path).append([{"kernel": "a", "speed": 3}])
