@@ -48,6 +48,8 @@ class Outcome:
     duplicates: int = 0  # candidates skipped as already measured or identical binaries
     error: str | None = None  # a shape of a set whose run failed (the set went on without it)
     first_verified_s: float | None = None  # from the run's start to its first verified kernel
+    baselines_s: float = 0.0  # the baselines' session (cuBLASLt's autotuning included)
+    sessions: list[tuple[int, float]] = field(default_factory=list)  # (kernels on the GPU, seconds) each
 
     @property
     def statuses(self) -> dict[str, int]:
@@ -99,7 +101,7 @@ def optimize(ctx: Context, proposer: Proposer, budget: Budget, *, remeasure: boo
 
     t0 = time.monotonic()
     baseline_rows = measure_baselines(ctx)
-    baseline_s = time.monotonic() - t0
+    baseline_s = out.baselines_s = time.monotonic() - t0
     out.gpu_s += baseline_s
     out.rows += baseline_rows
     history += baseline_rows
@@ -202,8 +204,10 @@ def optimize(ctx: Context, proposer: Proposer, budget: Budget, *, remeasure: boo
                 measured = measure_rows(ctx, session)
                 on_gpu = sum(item.build.status == "ok" for item in session)
                 if on_gpu:
-                    out.gpu_s += time.monotonic() - t0
-                    per_kernel_s.append((time.monotonic() - t0) / on_gpu)
+                    spent = time.monotonic() - t0
+                    out.gpu_s += spent
+                    out.sessions.append((on_gpu, round(spent, 3)))
+                    per_kernel_s.append(spent / on_gpu)
                 for row in measured:
                     rows.append(row)
                     out.rows.append(row)

@@ -128,6 +128,7 @@ def test_a_batch_is_timed_in_one_session_and_a_time_budget_in_sessions_that_fit_
     out = optimize(context(tmp_path, compiler, worker), sm80_search(), Budget(iterations=2, batch=3, patience=None))
     # (until one is verified, a kernel whose compile finished first may be measured alone)
     assert worker.sessions[-1] == 3 and sum(worker.sessions) == 6 and out.stopped == "iterations done"
+    assert [kernels for kernels, _ in out.sessions] == worker.sessions and out.baselines_s > 0  # where time went
     # memory bounds a session; a time budget too, by the seconds a kernel took in the last one
     assert next_session(8, 8, None, 1.0) == 8 and next_session(8, 3, None, 1.0) == 3
     assert next_session(8, 8, 5.5, 1.0) == 5 and next_session(8, 8, 0.2, 1.0) == 1
