@@ -215,6 +215,8 @@ def finalists(record: dict[str, Any]) -> list[int]:
     there an algorithm that spends more energy per FLOP can be the faster (measured on an H200:
     the pick read 3.0-5.6% slower than cuBLAS's default on three large problems where the
     autotuning had found it faster)."""
+    if "finalists" in record:  # those of a session under way (a wrong one left out)
+        return list(record["finalists"])
     return list(dict.fromkeys([record["index"], 0, *record.get("retimed", [])]))[:RETIMED]
 
 
@@ -237,10 +239,11 @@ def choose_finalist(record: dict[str, Any], timings: dict[str, dict[str, dict]],
 
     def without_finalists(entries: dict) -> dict:
         return {kept.get(name, name): entry for name, entry in entries.items()
-                if name not in names.values() or name in kept}
+                if name in kept or (name not in names.values() and not name.startswith(FINALIST.format("")))}
 
     configs = record.get("finalist_configs", {})
-    record = {**{k: v for k, v in record.items() if k != "finalist_configs"}, **configs.get(str(chosen), {}),
+    record = {**{k: v for k, v in record.items() if k not in ("finalists", "finalist_configs")},
+              **configs.get(str(chosen), {}),
               "index": chosen, "autotuned": record["index"]}
     if scores:
         record["finalists_us"] = {str(i): round(us, 3) for i, us in scores.items()}
@@ -268,8 +271,8 @@ def library_calls(problem: Problem, job: dict[str, Any], stream, rng) -> tuple[d
     """run(a, b, c) of each baseline, cuBLASLt autotuned for this problem (its record): the
     job's choice (made in the graph process, or final) or this process's earlier one, else
     autotuned here by the graph method. A job that asks for `finalists` also gets each
-    finalist but the pick as a contestant of its own (FINALIST), and their configurations in
-    the record, for choose_finalist."""
+    finalist but the pick as a contestant of its own (FINALIST), and the record lists them
+    (`finalists`) with their configurations, for choose_finalist."""
     import cupy
 
     from .measure import graph_medians
@@ -310,9 +313,10 @@ def library_calls(problem: Problem, job: dict[str, Any], stream, rng) -> tuple[d
 
     run["cuBLASLt"] = algorithm(record["index"])
     if job.get("finalists"):
-        for index in finalists(record)[1:]:
+        chosen = finalists(record)
+        for index in chosen[1:]:
             run[FINALIST.format(index)] = algorithm(index)
-        record = {**record, "finalist_configs": {str(i): lt.describe(i) for i in finalists(record)}}
+        record = {**record, "finalists": chosen, "finalist_configs": {str(i): lt.describe(i) for i in chosen}}
     if (torch_run := torch_gemm(problem, stream)) is not None:
         run["torch.matmul"] = torch_run
     return run, record

@@ -208,6 +208,10 @@ def test_cublaslts_finalists_keep_the_heuristics_first_and_are_judged_offline():
     assert chosen["index"] == 0 and chosen["autotuned"] == 5 and chosen["tile"] == 0
     assert kept["kernel"]["cuBLASLt"] == us(9.0) and kept["server"]["cuBLASLt"] == us(20.0)
     assert all(set(entries) == {"cuBLAS", "cuBLASLt"} for entries in kept.values()) and set(kept_errors) == {"cuBLAS", "cuBLASLt"}
+    # a finalist left out of the session (outside the tolerance): the others decide
+    chosen, kept, _ = choose_finalist({**record, "finalists": [5, 4, 1]}, timings, errors)
+    assert chosen["index"] == 4 and "finalists" not in chosen and set(chosen["finalists_us"]) == {"5", "4", "1"}
+    assert set(kept["kernel"]) == {"cuBLAS", "cuBLASLt"}  # whatever else was timed, no finalist is a row
     # a finalist missing from the timings: the pick stays, and no finalist is left to be a row
     del timings["graph"]["cuBLASLt@4"]
     chosen, kept, _ = choose_finalist(record, timings, errors)

@@ -153,3 +153,19 @@ def test_a_cluster_address_that_does_not_answer_is_one_line(tmp_path):
         optimize_on_cluster([Problem(64, 64, 64)], f"tcp://127.0.0.1:{port}", settings=Settings(results=tmp_path),
                             connect_s=2.0)
     assert not (tmp_path / "leaderboard").exists()  # nothing written
+
+
+@pytest.mark.nvcc
+@pytest.mark.skipif(gpu_count() > 0, reason="with a GPU, the GPU test tunes on a Dask worker for real")
+def test_a_task_on_a_dask_worker_process_starts_the_gpu_workers_processes(tmp_path):
+    """Dask runs tasks in daemon processes, which multiprocessing lets start no children;
+    the real task starts the GPU worker's anyway (here, with no GPU, they say so)."""
+    from cudal2.cluster import tune_task
+
+    with distributed.LocalCluster(n_workers=1, threads_per_worker=1, processes=True, dashboard_address=":0") as cluster, \
+            distributed.Client(cluster) as client:
+        future = client.submit(tune_task, {"m": 64, "n": 64, "k": 64, "dtype": "fp16", "layout": "nn"},
+                               {"iterations": 1, "batch": 1}, Settings(results=tmp_path / "head"))
+        with pytest.raises(Exception) as caught:
+            future.result(timeout=180)
+    assert "no usable CUDA device" in str(caught.value), caught.value
