@@ -123,10 +123,9 @@ def _kernels_job(job: dict[str, Any], environment: dict[str, Any], timer) -> dic
 def _open(kind: str, job: dict[str, Any], run: dict, problem: Problem, **timing: Any):
     """This process's timing session of the job (its phase's methods), kept for the rounds
     and the finish that follow; `kind`: "kernels" (their contestants the suspects) or
-    "baselines"."""
+    "baselines". The job closed the earlier session first (_close_session)."""
     from .measure import Session
 
-    _close_session()
     suspects = frozenset(name for name in run if name.startswith("kernel:")) if kind == "kernels" else frozenset()
     session = Session(run, problem, settings=job["settings"], methods=_methods(job), suspects=suspects, **timing)
     _SESSION.update(session=session, kind=kind, problem=problem)

@@ -170,13 +170,13 @@ def optimize(ctx: Context, proposer: Proposer, budget: Budget, *, remeasure: boo
 
     # Seconds a kernel takes on the GPU, from this run's latest session (at first, the
     # baselines' session): a time budget is spent in sessions that fit it.
-    per_kernel_s = [baseline_s]
+    per_kernel_s = baseline_s
 
     def sessions(items: list[Built]):
         """The batch's kernels, session by session (next_session)."""
         items = list(items)
         while items:
-            size = next_session(len(items), session_size(ctx), time_left(), per_kernel_s[-1])
+            size = next_session(len(items), session_size(ctx), time_left(), per_kernel_s)
             yield items[:size]
             del items[:size]
 
@@ -185,7 +185,7 @@ def optimize(ctx: Context, proposer: Proposer, budget: Budget, *, remeasure: boo
         once a kernel is verified (a run never ends without one while it has one to measure);
         records the rows as one part, even when interrupted, with any measured `ahead` of
         the batch (those are held for it). True if the best speedup improved."""
-        nonlocal best_speedup, held_improved
+        nonlocal best_speedup, held_improved, per_kernel_s
         improved = False
         fresh, binaries = [], {}
         for item in built:
@@ -207,7 +207,7 @@ def optimize(ctx: Context, proposer: Proposer, budget: Budget, *, remeasure: boo
                     spent = time.monotonic() - t0
                     out.gpu_s += spent
                     out.sessions.append((on_gpu, round(spent, 3)))
-                    per_kernel_s.append(spent / on_gpu)
+                    per_kernel_s = spent / on_gpu
                 for row in measured:
                     rows.append(row)
                     out.rows.append(row)
