@@ -65,15 +65,15 @@ STREAM_K_FIXED_US = 5.0
 # With the stores a tile's SM waits for (`exposed_epilogue_bytes`, priced at the SM's share
 # of the DRAM bandwidth) and the parallel split-K, over 31 problems: 0.962 / 0.988 and a mean
 # rank correlation of +0.72 (without the stores term: 0.945 / 0.977, +0.64).
-# A K step waits for its stage's loads: with s stages in flight, at least a load's latency over
-# s - 1 (Little's law). Without it, 2-stage kernels ran 2-3x their predicted time where the K
+# A K step waits for its stage's loads: with s stages, every s - 1 steps wait at least a load's
+# latency (Little's law). Without it, 2-stage kernels ran 2-3x their predicted time where the K
 # loop is long and the tiles few (2048x64x2048: 16-18 us against 5-7 predicted, and the ranking
 # missed its best by 17%). Fitted, with SPLIT_LOSS (0.25 before), the sm80 warp-tile exponent
 # (0.2 before) and the parallel split-K's summing kernel counted as a launch, over the shipped
 # measurements (54 problems of 6 or more configurations) and the 96 other problems of the H200
 # run of 2026-12-01 (most of them grid shapes, 16 configurations each, measured after the model
 # had picked them), by scripts/cost_check.py: top 1 / top 3 / rank correlation 0.970 / 0.986 /
-# +0.70 and 0.914 / 0.969 / +0.53 before, 0.971 / 0.987 / +0.70 and 0.966 / 0.986 / +0.62 after.
+# +0.70 and 0.914 / 0.969 / +0.53 before, 0.971 / 0.987 / +0.70 and 0.962 / 0.984 / +0.61 after.
 LOAD_LATENCY_US = 0.4
 
 
@@ -102,12 +102,12 @@ def predict_us(template: Template, params: dict[str, Any], problem: Problem, dev
     # SM's share of the DRAM bandwidth.
     compute_s += waves * resident * float(c["exposed_epilogue_bytes"]) / (dram_bandwidth(device) / sms)
     # A tile's K loop cannot run faster than its pipeline refills: with s stages, s - 1 loads
-    # are in flight while one stage is computed, so each K step waits at least a load's
-    # latency over s - 1 (templates that give `pipeline_stages` and `tile_k`).
+    # are in flight while one stage is computed, so every s - 1 K steps wait at least a load's
+    # latency (templates that give `pipeline_stages` and `tile_k`).
     latency_s = 0.0
     if int(c["pipeline_stages"]):
         steps = math.ceil(math.ceil(problem.k / split) / int(c["tile_k"]))
-        latency_s = waves * steps * LOAD_LATENCY_US * 1e-6 / max(1, int(c["pipeline_stages"]) - 1)
+        latency_s = waves * math.ceil(steps / max(1, int(c["pipeline_stages"]) - 1)) * LOAD_LATENCY_US * 1e-6
     l2_bytes = tiles * (tm + tn) * problem.k * 2 + (tiles * tm * tn * 4 * 2 if split > 1 else 0)
     memory_s = max(problem.min_bytes / dram_bandwidth(device), l2_bytes / (L2_PER_DRAM * dram_bandwidth(device)))
     # Too few warps on an SM cannot keep enough loads in flight: the memory time stretches
