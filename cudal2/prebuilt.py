@@ -9,8 +9,9 @@ shape of its dtype and layout. The set is
   protocol compared within itself), on a GPU of this architecture, in the measurements
   given (the shipped ones and the results directory's), in that problem's dtype and layout;
 - the cost model's PER_REGION best in each region a model's shapes fall in (tiny, decode,
-  split-K, large, unaligned), for fp16 nn and bf16 nt, where a device of this architecture
-  was measured (its facts feed the model).
+  split-K, large, unaligned, and those of the CUDA-L2 grid the library wins: short K, skinny
+  outputs), configurations it prices apart, for fp16 nn and bf16 nt, where a device of this
+  architecture was measured (its facts feed the model).
 
 `build` compiles it into the compile cache (what is there already is skipped, so a stopped
 build resumes); `pack` writes those cache entries to a tarball and `unpack` adds one, or
@@ -20,6 +21,7 @@ another machine's cache directory, to this machine's cache.
 from __future__ import annotations
 
 import json
+import math
 import shutil
 import tarfile
 from collections.abc import Callable
@@ -43,6 +45,14 @@ REGIONS = {  # a representative problem of each region of a model's shapes
     "split-K": (1024, 128, 16384),
     "large": (8192, 8192, 8192),
     "unaligned": (4095, 4097, 1001),
+    # Where the H200 grid run of 2026-12-01 lost most (docs/h200-2026-12-01-sessions.md): K of
+    # 512 or less, and outputs of 256 or fewer rows or columns with K of 1024 or more.
+    "short-K": (4096, 4096, 256),
+    "skinny short-K": (12288, 64, 512),
+    "skinny": (1024, 64, 4096),
+    "small, long-K": (256, 256, 8192),
+    "skinny, long-K": (64, 512, 16384),
+    "mid": (1024, 128, 2048),
 }
 VARIANTS = (("fp16", "nn"), ("bf16", "nt"))  # torch.matmul on fp16, F.linear on bf16
 
@@ -85,10 +95,27 @@ def kernel_set(cc: int, measured: pd.DataFrame, regions: bool = True) -> list[En
         device = recorded_device(rows, gpus[0])
         for region, (m, n, k) in REGIONS.items():
             for dtype, layout in VARIANTS:
-                ranked = rank(templates, Problem(m, n, k, dtype, layout), device)[:PER_REGION]
+                ranked = distinct(rank(templates, Problem(m, n, k, dtype, layout), device), templates, PER_REGION)
                 for i, (_, template, params) in enumerate(ranked, 1):
                     add(template, params, dtype, layout, f"cost model's #{i} for {region} ({m}x{n}x{k} {dtype} {layout})")
     return sorted(found.values(), key=lambda e: (e.candidate.template, e.dtype, e.layout, str(e.candidate)))
+
+
+def distinct(ranked: list[tuple[float, str, dict]], templates: dict, count: int) -> list[tuple[float, str, dict]]:
+    """The `count` fastest of a ranking (cost.rank) that the cost model prices apart: of the
+    configurations of one template it prices alike (they differ in what it has no term for:
+    rasterisation, blocks per SM, a stage or two), the one nearest the template's defaults."""
+    picks: dict[tuple[str, float], tuple[int, tuple[float, str, dict]]] = {}
+    for entry in ranked:
+        t, name, params = entry
+        key = (name, round(math.log(t), 3))
+        if key not in picks and len(picks) == count:
+            break
+        defaults = templates[name].space.defaults()
+        away = sum(params[p] != defaults[p] for p in params)
+        if key not in picks or away < picks[key][0]:
+            picks[key] = (away, entry)
+    return [entry for _, entry in picks.values()]
 
 
 def build(entries: list[Entry], compiler: Compiler,

@@ -10,8 +10,9 @@ from typer.testing import CliRunner
 from cudal2 import prebuilt
 from cudal2.cli import app
 from cudal2.compile import Compiler
+from cudal2.cost import predict_us, recorded_device
 from cudal2.problem import Problem
-from cudal2.render import load_templates, render, template_candidate
+from cudal2.render import get_template, load_templates, render, template_candidate
 
 
 def measured(rows):
@@ -40,9 +41,16 @@ def test_the_set_holds_the_near_best_of_every_measured_problem_and_the_cost_mode
     assert measured_in == {(3, "fp16", "nn"), (4, "fp16", "nn"), (2, "bf16", "nt")}
     # the cost model's best few in every region, for both of a model's usual variants
     picks = [e for e in entries if "cost model" in e.why]
-    for region in prebuilt.REGIONS:
+    device = recorded_device(rows, "NVIDIA H200")
+    for region, (m, n, k) in prebuilt.REGIONS.items():
         for dtype, layout in prebuilt.VARIANTS:
-            assert any(f"for {region} (" in e.why and (e.dtype, e.layout) == (dtype, layout) for e in picks)
+            mine = [e for e in picks if f"for {region} (" in e.why and (e.dtype, e.layout) == (dtype, layout)]
+            assert mine
+            # configurations the model prices alike are one pick, not three builds of a tile
+            # that differ in what the model cannot tell apart
+            prices = [(e.candidate.template, round(predict_us(get_template(e.candidate.template), e.candidate.param_dict,
+                                                             Problem(m, n, k, dtype, layout), device), 3)) for e in mine]
+            assert len(set(prices)) == len(prices), (region, dtype, prices)
     assert len({(str(e.candidate), e.dtype, e.layout) for e in entries}) == len(entries)
 
 
