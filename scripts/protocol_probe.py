@@ -19,8 +19,9 @@ protocol's own code (cudal2/measure.py) in these variants:
 
 With `--graphs`, instead: the graph method behind every neighbour the protocol has had
 (8 MB grid-stride, 6 us of compute, 512 KB sin) and a 512 KB grid-stride one and none, with
-the protocol's calls per graph and with 21 (the independent check's 20), before CUPTI is
-loaded; then the kernel method.
+the protocol's calls per graph and with 21 (the independent check's 20), and behind the
+protocol's with the graphs captured by torch on a torch stream (as the check captures), before
+CUPTI is loaded; then the kernel method.
 
 Prints one markdown table (median device us per variant) and the wall-clock window of each
 variant (for a clock log taken beside it, e.g. nvidia-smi -lms 50).
@@ -156,7 +157,7 @@ def main() -> None:
     stream = cupy.cuda.Stream(non_blocking=True)
     rng = random.Random(0)
     shapes = read_shapes(args.shapes)
-    cases = []
+    cases, makers = [], {}
     for problem in [shapes[int(i)] for i in args.rows.split(",")]:
         found = select(winners, m=problem.m, n=problem.n, k=problem.k, dtype=problem.dtype, layout=problem.layout)
         if found.empty:
@@ -166,6 +167,7 @@ def main() -> None:
         sets = InputSets(problem, measure.Numerics(problem.dtype), list(run), rng)
         calls = 3 * max(1, min(20, round(2000 / (float(claim["kernel_us"]) + 5) / 3)))
         cases.append((problem, run, sets, calls, {}))
+        makers[problem] = lambda on, problem=problem, claim=claim: contestants(problem, claim, board, compiler, on)
         print(f"{problem}: {claim['kernel']}, {calls} calls per graph", file=sys.stderr, flush=True)
 
     windows = []
@@ -181,7 +183,7 @@ def main() -> None:
             lead_study(cases, [int(x) for x in args.leads.split(",")], stream, rng, variant)
     elif args.graphs:
         with stream:
-            graph_study(cases, stream, rng, variant, compute, memory)
+            graph_study(cases, stream, rng, variant, compute, memory, makers)
     else:
         with stream:
             variant_study(cases, stream, rng, variant, compute, memory)
@@ -214,10 +216,45 @@ def lead_study(cases, leads, stream, rng, variant):
                         lambda: kernel_medians(run, sets, timer, rng, sets.refresh, count, budget_s=0.4))
 
 
-def graph_study(cases, stream, rng, variant, compute, memory):
+def torch_graph_medians(run, sets, torch_stream, calls, neighbour, rng) -> dict[str, float]:
+    """graph_medians, but each graph captured by torch (torch.cuda.graph on a torch stream, as
+    the independent check captures) instead of CuPy's relaxed-mode capture; `run` and
+    `neighbour` launch on that stream."""
+    import torch
+
+    def capture(name):
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, stream=torch_stream):
+            for i in range(calls):
+                neighbour()
+                if name is not None:
+                    s = i % len(sets.a)
+                    run[name](sets.a[s], sets.b[s], sets.c[name][s])
+        return graph
+
+    graphs = {name: capture(name) for name in [None, *run]}
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+
+    def replay(name) -> float:
+        start.record(torch_stream)
+        graphs[name].replay()
+        end.record(torch_stream)
+        end.synchronize()
+        return start.elapsed_time(end) * 1e3
+
+    for name in graphs:
+        replay(name)
+    samples = graph_rounds(list(run), replay=replay, calls=calls, budget_s=0.1, rng=rng, min_rounds=7)
+    out = {name: statistics.median(v) for name, v in samples.items()}
+    out["(neighbour)"] = statistics.median(replay(None) for _ in range(5)) / calls
+    return out
+
+
+def graph_study(cases, stream, rng, variant, compute, memory, makers):
     """Why our PDL kernels read 0.3-0.5 us over their CUPTI time in the protocol's graph on
     calls under 5 us, and at it in the independent check's (docs/h200-2026-12-01-protocol-3.md):
-    the neighbour's kind and the graph's length, before CUPTI is ever loaded; then CUPTI."""
+    the neighbour's kind and the graph's length, before CUPTI is ever loaded; the capture
+    (CuPy's relaxed mode on this non-blocking stream, or torch's on a torch stream); then CUPTI."""
     neighbours = {"sin 512 KB (protocol)": measure.neighbour_kernel(stream),
                   "grid-stride 512 KB": memory_neighbour(stream, 1 << 17), "grid-stride 8 MB": memory,
                   "compute 6 us": compute, "none": lambda: None}
@@ -229,6 +266,20 @@ def graph_study(cases, stream, rng, variant, compute, memory):
             variant(f"graph, {label}, {calls} calls", out,
                     lambda: graph_medians(run, sets, stream, calls, neighbour, rng))
             variant(f"graph, {label}, 21 calls", out, lambda: graph_medians(run, sets, stream, 21, neighbour, rng))
+        try:
+            import torch
+        except ImportError:
+            continue
+        torch_stream = torch.cuda.Stream()
+        on_torch = cupy.cuda.ExternalStream(torch_stream.cuda_stream)
+        run_torch = makers[problem](on_torch)
+        for name, call in run_torch.items():
+            call(sets.a[0], sets.b[0], sets.c[name][0])
+        torch.cuda.synchronize()
+        for n in (calls, 21):
+            variant(f"graph, sin 512 KB (protocol), {n} calls, torch capture", out,
+                    lambda n=n: torch_graph_medians(run_torch, sets, torch_stream, n,
+                                                    measure.neighbour_kernel(on_torch), rng))
     timer = CuptiTimer()
     for problem, run, sets, calls, out in cases:
         variant("kernel", out, lambda: kernel_medians(run, sets, timer, rng, sets.refresh))
