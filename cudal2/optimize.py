@@ -3,6 +3,7 @@ budget runs out, with the next batch compiling while this one is on the GPU."""
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import threading
 import time
@@ -22,6 +23,13 @@ from .problem import Problem
 from .propose import Proposer, from_proposer
 from .render import render
 from .runtime import export_best
+
+
+# When the time budget ends before any kernel is verified (the baselines' session alone can
+# spend it: on a fresh machine it compiles the library shims, 19 s on an H200 host), the run
+# still waits this long for its batch's proposal, so that the batch's built kernels are
+# measured and the run does not end empty; the batch's compiles are stopped.
+PROPOSAL_WAIT_S = 60.0
 
 
 @dataclass(frozen=True)
@@ -266,6 +274,9 @@ def optimize(ctx: Context, proposer: Proposer, budget: Budget, *, remeasure: boo
             except FutureTimeout:
                 out.stopped = "time budget spent (while the next batch compiled)"
                 ctx.compiler.cancel()  # its nvcc processes stop; nothing half-done is cached
+                if not verified():  # never end empty: the batch's proposal, and what of it is built
+                    with contextlib.suppress(Exception):  # its compiles stopped: Cancelled
+                        pending.result(timeout=PROPOSAL_WAIT_S)
                 ready = [item for item in list(compiled) if item.build.status == "ok" and item.source not in early]
                 if not verified() and ready:  # never end empty: measure what had compiled
                     out.stopped += f"; the {len(ready)} kernel(s) built by then measured"
