@@ -202,20 +202,22 @@ def optimize(problems: list[Problem] | Problem, *, proposer: str = "search", ite
         def cached(target: Problem, name: str, params: dict[str, Any]) -> bool:
             return compilers[0].lookup(render_stage.render(Candidate.from_template(name, params), target)) is not None
 
-        # The prebuilt set's measured part (what a first batch can rank in milliseconds), as
-        # far as it is built here; per dtype and layout, whose builds serve every shape. Read
-        # when a search first asks (an LLM-only run never does).
+        # The prebuilt set as far as it is built here (what a first batch can rank in
+        # milliseconds): what the cache's manifest lists (a `prebuild` or its unpacked tarball:
+        # the cost model's region picks with the measured near-best) and the measured part of
+        # the set; per dtype and layout, whose builds serve every shape. Read when a search
+        # first asks (an LLM-only run never does).
         built_by_variant: dict[tuple[str, str], list[tuple[str, dict]]] = {}
 
         @functools.cache
-        def near_best() -> list[prebuilt.Entry]:
-            return prebuilt.kernel_set(env["cc"], with_shipped(leaderboard.read(bench=None)), regions=False)
+        def prebuilt_set() -> list[prebuilt.Entry]:
+            return prebuilt.available(settings.cache_dir, compilers[0].arch, with_shipped(leaderboard.read(bench=None)))
 
         def built(target: Problem) -> list[tuple[str, dict]]:
             variant = (target.dtype, target.layout)
             if variant not in built_by_variant:
                 built_by_variant[variant] = [
-                    (e.candidate.template, e.candidate.param_dict) for e in near_best()
+                    (e.candidate.template, e.candidate.param_dict) for e in prebuilt_set()
                     if (e.dtype, e.layout) == variant and cached(target, e.candidate.template, e.candidate.param_dict)]
             return built_by_variant[variant]
 

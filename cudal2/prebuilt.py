@@ -14,12 +14,15 @@ shape of its dtype and layout. The set is
   architecture was measured (its facts feed the model).
 
 `build` compiles it into the compile cache (what is there already is skipped, so a stopped
-build resumes); `pack` writes those cache entries to a tarball and `unpack` adds one, or
-another machine's cache directory, to this machine's cache.
+build resumes) and lists what it built in the cache's manifest (MANIFEST: configuration,
+dtype, layout and why, per architecture), which the search reads to know what is built
+without ranking the spaces again; `pack` writes those cache entries and their manifest to a
+tarball and `unpack` adds one, or another machine's cache directory, to this machine's cache.
 """
 
 from __future__ import annotations
 
+import io
 import json
 import math
 import shutil
@@ -35,9 +38,10 @@ from .compile import Build, Compiler
 from .cost import RECORDED_MEMORY, rank, recorded_device
 from .errors import Cudal2Error
 from .problem import Problem
-from .render import load_templates, recorded_params, render
+from .render import arch_cc, load_templates, recorded_params, render
 
 NEAR_BEST = 0.98  # a configuration within 2% of a problem's best measured is in the set
+MANIFEST = "prebuilt.json"  # in the cache directory: {arch: [the built set's entries]}
 PER_REGION = 3
 REGIONS = {  # a representative problem of each region of a model's shapes
     "tiny": (128, 64, 64),
@@ -118,10 +122,22 @@ def distinct(ranked: list[tuple[float, str, dict]], templates: dict, count: int)
     return [entry for _, entry in picks.values()]
 
 
+def available(cache_dir: Path, arch: str, measured: pd.DataFrame) -> list[Entry]:
+    """The set as a machine may hold it, for the search to start from: what its cache's
+    manifest lists (a `prebuild` there or an unpacked tarball: the cost model's region picks
+    too), then the measured part of the set (its regions would need the spaces ranked:
+    seconds a region), each configuration once. Whether each is built is the caller's to ask."""
+    found: dict[tuple[str, str, str], Entry] = {}
+    for entry in manifest(cache_dir, arch) + kernel_set(arch_cc(arch), measured, regions=False):
+        found.setdefault((str(entry.candidate), entry.dtype, entry.layout), entry)
+    return list(found.values())
+
+
 def build(entries: list[Entry], compiler: Compiler,
           on_build: Callable[[int, int, Entry, Build], None] | None = None) -> list[Build]:
     """Compiles every entry into the cache (cached ones are not compiled again), in parallel;
-    `on_build(done, total, entry, build)` hears of each as it finishes."""
+    `on_build(done, total, entry, build)` hears of each as it finishes. The built ones are
+    added to the cache's manifest."""
     by_source = {e.source: e for e in entries}
     done = 0
 
@@ -131,7 +147,56 @@ def build(entries: list[Entry], compiler: Compiler,
         if on_build:
             on_build(done, len(by_source), by_source[source], result)
 
-    return compiler.compile_all(list(by_source), on_build=finished)
+    builds = compiler.compile_all(list(by_source), on_build=finished)
+    built = {source for source, b in zip(by_source, builds) if b.status == "ok"}
+    _add_to_manifest(compiler.root.parent, compiler.arch, [e for e in entries if e.source in built])
+    return builds
+
+
+def _entry_record(entry: Entry) -> dict:
+    return {"template": entry.candidate.template, "params": entry.candidate.param_dict, "dtype": entry.dtype,
+            "layout": entry.layout, "why": entry.why}
+
+
+def _read_manifest_file(path: Path) -> dict[str, list[dict]]:
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
+    return data if isinstance(data, dict) else {}
+
+
+def _add_to_manifest(cache_dir: Path, arch: str, entries: list[Entry] | list[dict]) -> None:
+    """Adds entries (Entry or their records) to the cache's manifest for `arch`, each once;
+    written whole into place, so a reader never sees half of it."""
+    path = Path(cache_dir) / MANIFEST
+    manifest = _read_manifest_file(path)
+    records = manifest.setdefault(arch, [])
+    known = {(r["template"], json.dumps(r["params"], sort_keys=True), r["dtype"], r["layout"]) for r in records}
+    for entry in entries:
+        record = _entry_record(entry) if isinstance(entry, Entry) else entry
+        key = (record["template"], json.dumps(record["params"], sort_keys=True), record["dtype"], record["layout"])
+        if key not in known:
+            known.add(key)
+            records.append(record)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    partial = path.with_suffix(".json.partial")
+    partial.write_text(json.dumps(manifest, indent=1, sort_keys=True))
+    partial.replace(path)
+
+
+def manifest(cache_dir: Path, arch: str) -> list[Entry]:
+    """The entries the cache's manifest lists as built for `arch` (a build, unpack or pack of
+    the set wrote them); configurations today's templates no longer know are left out."""
+    templates = load_templates()
+    found = []
+    for record in _read_manifest_file(Path(cache_dir) / MANIFEST).get(arch, []):
+        template = templates.get(record.get("template"))
+        params = template.space.complete(record.get("params") or {}) if template else None
+        if params is not None and not template.space.violations(params, arch_cc(arch)):
+            found.append(Entry(Candidate.from_template(template.name, params), record["dtype"], record["layout"],
+                               record.get("why", "")))
+    return found
 
 
 def pack(entries: list[Entry], compiler: Compiler, out: Path) -> int:
@@ -143,9 +208,14 @@ def pack(entries: list[Entry], compiler: Compiler, out: Path) -> int:
         if built is not None and built.status == "ok":
             entries_dirs.append(built.library.parent)
     cache = compiler.root.parent
+    packed = [e for e in entries if (b := compiler.lookup(e.source)) is not None and b.status == "ok"]
     with tarfile.open(out, "w:gz") as tar:
         for directory in dict.fromkeys(entries_dirs):
             tar.add(directory, arcname=str(directory.relative_to(cache)))
+        listing = json.dumps({compiler.arch: [_entry_record(e) for e in packed]}, indent=1, sort_keys=True).encode()
+        info = tarfile.TarInfo(MANIFEST)
+        info.size = len(listing)
+        tar.addfile(info, io.BytesIO(listing))
     return len(set(entries_dirs))
 
 
@@ -163,18 +233,25 @@ def unpack(source: Path, cache_dir: Path) -> int:
                 destination.parent.mkdir(parents=True, exist_ok=True)
                 shutil.copytree(entry, destination)
                 added += 1
-        return added
-    with tarfile.open(source, "r:gz") as tar:
-        members = tar.getmembers()
-        for member in members:
-            parts = Path(member.name).parts
-            if parts[:1] != ("kernels",) or ".." in parts or not (member.isfile() or member.isdir()):
-                raise Cudal2Error(f"{source}: {member.name!r} is not a kernel build of a cudal2 cache")
-        keys = {Path(m.name).parts[1:3] for m in members if len(Path(m.name).parts) >= 3}
-        fresh = {key for key in keys if not (target / key[0] / key[1]).exists()}
-        tar.extractall(Path(cache_dir), members=[m for m in members if tuple(Path(m.name).parts[1:3]) in fresh],
-                       filter="data")
-        added = len(fresh)
+        listed = _read_manifest_file(Path(source) / MANIFEST)
+    else:
+        with tarfile.open(source, "r:gz") as tar:
+            members, listed = tar.getmembers(), {}
+            for member in members:
+                parts = Path(member.name).parts
+                if member.name == MANIFEST and member.isfile():
+                    listed = json.loads(tar.extractfile(member).read() or b"{}")
+                elif parts[:1] != ("kernels",) or ".." in parts or not (member.isfile() or member.isdir()):
+                    raise Cudal2Error(f"{source}: {member.name!r} is not a kernel build of a cudal2 cache")
+            builds = [m for m in members if m.name != MANIFEST]
+            keys = {Path(m.name).parts[1:3] for m in builds if len(Path(m.name).parts) >= 3}
+            fresh = {key for key in keys if not (target / key[0] / key[1]).exists()}
+            tar.extractall(Path(cache_dir), members=[m for m in builds if tuple(Path(m.name).parts[1:3]) in fresh],
+                           filter="data")
+            added = len(fresh)
+    fields = {"template", "params", "dtype", "layout"}
+    for arch, records in (listed.items() if isinstance(listed, dict) else []):
+        _add_to_manifest(cache_dir, arch, [r for r in records if isinstance(r, dict) and fields <= r.keys()])
     return added
 
 

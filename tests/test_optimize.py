@@ -648,9 +648,11 @@ def test_a_shape_set_is_tuned_in_one_run_and_a_killed_run_resumes(tmp_path, comp
         shape_set_run(tmp_path, compiler, KilledWorker(at=4), problems)
     board = Leaderboard(tmp_path / "results").read()
     kept = board[~board["kernel"].isin(BASELINES)]
-    # the first shape's session was measured before the kill; the second shape's, killed
-    # part-way (its kernels are timed together), is measured by the re-run
-    assert sorted(kept.groupby("m").size().to_dict().items()) == [(256, 2)]
+    # the first shape's session was measured before the kill; of the second shape's, killed
+    # part-way, only a kernel measured ahead of its batch (one whose build was there first,
+    # which depends on what this session's cache holds) is kept; the third was never started
+    counts = kept.groupby("m").size().to_dict()
+    assert counts.pop(256) == 2 and counts.pop(128, 0) <= 1 and not counts
     outcomes = shape_set_run(tmp_path, compiler, StandInWorker(), problems)
     assert [o.best is not None for o in outcomes] == [True, True, True]
     board = Leaderboard(tmp_path / "results").read()

@@ -81,6 +81,19 @@ def test_a_build_resumes_and_travels_to_another_machine_as_a_tarball(tmp_path):
     assert prebuilt.unpack(tarball, tmp_path / "there") == 0  # kept, not written again
     # or straight from another cache directory
     assert prebuilt.unpack(tmp_path / "here", tmp_path / "third") == 2
+    # Each cache's manifest lists what of the set it holds (what the search starts from
+    # without ranking the spaces again), once, whatever the way the builds came.
+    listed = lambda cache: sorted((str(e.candidate), e.dtype, e.layout, e.why) for e in prebuilt.manifest(cache, "sm_90a"))
+    expected = sorted((str(e.candidate), e.dtype, e.layout, e.why) for e in entries)
+    assert listed(tmp_path / "here") == listed(tmp_path / "there") == listed(tmp_path / "third") == expected
+    assert prebuilt.manifest(tmp_path / "here", "sm_80") == []
+    # What the search starts from: the manifest's entries (a region pick no measurement names
+    # among them) before the measured part of the set, each once.
+    pick = prebuilt.Entry(template_candidate("sm80_mma", {"stages": "5"}, 90), "fp16", "nn", "cost model's #1 for a test")
+    prebuilt.build([pick], there)
+    starts = prebuilt.available(tmp_path / "there", "sm_90a", rows)
+    assert [str(e.candidate) for e in starts] == [str(e.candidate) for e in entries + [pick]]
+    assert prebuilt.available(tmp_path / "elsewhere", "sm_90a", rows[:0]) == []
 
 
 def test_a_tarball_that_is_not_a_cache_is_refused(tmp_path):
