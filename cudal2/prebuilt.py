@@ -186,8 +186,9 @@ def _add_to_manifest(cache_dir: Path, arch: str, entries: list[Entry] | list[dic
 
 
 def manifest(cache_dir: Path, arch: str) -> list[Entry]:
-    """The entries the cache's manifest lists as built for `arch` (a build, unpack or pack of
-    the set wrote them); configurations today's templates no longer know are left out."""
+    """The entries the cache's manifest lists as built for `arch` (a build here, or an
+    unpacked tarball or cache directory, wrote them); configurations today's templates no
+    longer know are left out."""
     templates = load_templates()
     found = []
     for record in _read_manifest_file(Path(cache_dir) / MANIFEST).get(arch, []):
