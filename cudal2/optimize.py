@@ -277,10 +277,10 @@ def optimize(ctx: Context, proposer: Proposer, budget: Budget, *, remeasure: boo
                 if not verified():  # never end empty: the batch's proposal, and what of it is built
                     with contextlib.suppress(Exception):  # its compiles stopped: Cancelled
                         pending.result(timeout=PROPOSAL_WAIT_S)
-                ready = [item for item in list(compiled) if item.build.status == "ok" and item.source not in early]
-                if not verified() and ready:  # never end empty: measure what had compiled
-                    out.stopped += f"; the {len(ready)} kernel(s) built by then measured"
-                    measure_batch(ready, [])
+                    ready = [item for item in list(compiled) if item.build.status == "ok" and item.source not in early]
+                    if ready:
+                        out.stopped += f"; the {len(ready)} kernel(s) built by then measured"
+                        measure_batch(ready, [])
                 break
             except Cudal2Error as exc:  # e.g. the LLM endpoint failed for good: keep what we have
                 out.stopped = f"the proposer failed: {exc}"

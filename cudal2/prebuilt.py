@@ -110,13 +110,13 @@ def distinct(ranked: list[tuple[float, str, dict]], templates: dict, count: int)
     configurations of one template it prices alike (they differ in what it has no term for:
     rasterisation, blocks per SM, a stage or two), the one nearest the template's defaults."""
     picks: dict[tuple[str, float], tuple[int, tuple[float, str, dict]]] = {}
+    defaults = {name: template.space.defaults() for name, template in templates.items()}
     for entry in ranked:
         t, name, params = entry
         key = (name, round(math.log(t), 3))
         if key not in picks and len(picks) == count:
             break
-        defaults = templates[name].space.defaults()
-        away = sum(params[p] != defaults[p] for p in params)
+        away = sum(value != defaults[name][p] for p, value in params.items())
         if key not in picks or away < picks[key][0]:
             picks[key] = (away, entry)
     return [entry for _, entry in picks.values()]
@@ -158,6 +158,10 @@ def _entry_record(entry: Entry) -> dict:
             "layout": entry.layout, "why": entry.why}
 
 
+def _record_key(record: dict) -> tuple[str, str, str, str]:
+    return record["template"], json.dumps(record["params"], sort_keys=True), record["dtype"], record["layout"]
+
+
 def _read_manifest_file(path: Path) -> dict[str, list[dict]]:
     try:
         data = json.loads(path.read_text())
@@ -172,11 +176,10 @@ def _add_to_manifest(cache_dir: Path, arch: str, entries: list[Entry] | list[dic
     path = Path(cache_dir) / MANIFEST
     manifest = _read_manifest_file(path)
     records = manifest.setdefault(arch, [])
-    known = {(r["template"], json.dumps(r["params"], sort_keys=True), r["dtype"], r["layout"]) for r in records}
+    known = {_record_key(r) for r in records}
     for entry in entries:
         record = _entry_record(entry) if isinstance(entry, Entry) else entry
-        key = (record["template"], json.dumps(record["params"], sort_keys=True), record["dtype"], record["layout"])
-        if key not in known:
+        if (key := _record_key(record)) not in known:
             known.add(key)
             records.append(record)
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -203,13 +206,13 @@ def manifest(cache_dir: Path, arch: str) -> list[Entry]:
 def pack(entries: list[Entry], compiler: Compiler, out: Path) -> int:
     """Writes the cache entries of the built `entries` to the tarball `out` (paths relative
     to the cache directory, as `unpack` takes them); returns how many."""
-    entries_dirs = []
+    entries_dirs, packed = [], []
     for entry in entries:
         built = compiler.lookup(entry.source)
         if built is not None and built.status == "ok":
             entries_dirs.append(built.library.parent)
+            packed.append(entry)
     cache = compiler.root.parent
-    packed = [e for e in entries if (b := compiler.lookup(e.source)) is not None and b.status == "ok"]
     with tarfile.open(out, "w:gz") as tar:
         for directory in dict.fromkeys(entries_dirs):
             tar.add(directory, arcname=str(directory.relative_to(cache)))

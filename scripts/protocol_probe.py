@@ -127,8 +127,10 @@ def block_graphs(names, run, sets, stream, calls, neighbour):
     return measure.graphs(names, run, view, stream, len(order), neighbour)
 
 
-def graph_medians(run, sets, stream, calls, neighbour, rng, blocks=False) -> dict[str, float]:
-    make = block_graphs if blocks else measure.graphs
+def graph_medians(run, sets, stream, calls, neighbour, rng, blocks=False, make=None) -> dict[str, float]:
+    """Median per-call graph time of each contestant; `make` captures the graphs and returns
+    replay (default: measure.graphs, or block_graphs with `blocks`)."""
+    make = make or (block_graphs if blocks else measure.graphs)
     replay = make(list(run), run, sets, stream, calls, neighbour)
     samples = graph_rounds(list(run), replay=replay, calls=calls, budget_s=0.1, rng=rng, min_rounds=7)
     out = {name: statistics.median(v) for name, v in samples.items()}
@@ -216,10 +218,10 @@ def lead_study(cases, leads, stream, rng, variant):
                         lambda: kernel_medians(run, sets, timer, rng, sets.refresh, count, budget_s=0.4))
 
 
-def torch_graph_medians(run, sets, torch_stream, calls, neighbour, rng) -> dict[str, float]:
-    """graph_medians, but each graph captured by torch (torch.cuda.graph on a torch stream, as
-    the independent check captures) instead of CuPy's relaxed-mode capture; `run` and
-    `neighbour` launch on that stream."""
+def torch_graphs(names, run, sets, torch_stream, calls, neighbour):
+    """measure.graphs, but each graph captured by torch (torch.cuda.graph on a torch stream,
+    as the independent check captures) instead of CuPy's relaxed-mode capture; `run` and
+    `neighbour` launch on that stream. Returns replay(name or None) -> device us."""
     import torch
 
     def capture(name):
@@ -232,7 +234,7 @@ def torch_graph_medians(run, sets, torch_stream, calls, neighbour, rng) -> dict[
                     run[name](sets.a[s], sets.b[s], sets.c[name][s])
         return graph
 
-    graphs = {name: capture(name) for name in [None, *run]}
+    graphs = {name: capture(name) for name in [None, *names]}
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
 
     def replay(name) -> float:
@@ -242,12 +244,9 @@ def torch_graph_medians(run, sets, torch_stream, calls, neighbour, rng) -> dict[
         end.synchronize()
         return start.elapsed_time(end) * 1e3
 
-    for name in graphs:
+    for name in graphs:  # warm: first replays upload the graph
         replay(name)
-    samples = graph_rounds(list(run), replay=replay, calls=calls, budget_s=0.1, rng=rng, min_rounds=7)
-    out = {name: statistics.median(v) for name, v in samples.items()}
-    out["(neighbour)"] = statistics.median(replay(None) for _ in range(5)) / calls
-    return out
+    return replay
 
 
 def graph_study(cases, stream, rng, variant, compute, memory, makers):
@@ -278,8 +277,8 @@ def graph_study(cases, stream, rng, variant, compute, memory, makers):
         torch.cuda.synchronize()
         for n in (calls, 21):
             variant(f"graph, sin 512 KB (protocol), {n} calls, torch capture", out,
-                    lambda n=n: torch_graph_medians(run_torch, sets, torch_stream, n,
-                                                    measure.neighbour_kernel(on_torch), rng))
+                    lambda n=n: graph_medians(run_torch, sets, torch_stream, n, measure.neighbour_kernel(on_torch),
+                                              rng, make=torch_graphs))
     timer = CuptiTimer()
     for problem, run, sets, calls, out in cases:
         variant("kernel", out, lambda: kernel_medians(run, sets, timer, rng, sets.refresh))
