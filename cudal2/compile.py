@@ -303,14 +303,22 @@ class Compiler:
     def compile_all(self, sources: list[str], generation: int | None = None,
                     on_build: Callable[[str, Build], None] | None = None) -> list[Build]:
         """Many sources in parallel (one nvcc per job slot); identical sources compile once.
-        `on_build(source, build)` hears of each build as it finishes."""
+        `on_build(source, build)` hears of each build as it finishes. A compile that raises
+        (Cancelled) raises here once every other has finished and been heard of: a build
+        that finished is never lost to another's cancellation."""
         unique = list(dict.fromkeys(sources))
         generation = self._generation if generation is None else generation
-        builds = {}
+        builds, failure = {}, None
         with ThreadPoolExecutor(max_workers=max(1, min(self.jobs, len(unique)))) as pool:
             futures = {pool.submit(self.compile, source, generation): source for source in unique}
             for future in as_completed(futures):
-                builds[futures[future]] = build = future.result()
+                try:
+                    builds[futures[future]] = build = future.result()
+                except Exception as exc:
+                    failure = failure or exc
+                    continue
                 if on_build:
                     on_build(futures[future], build)
+        if failure is not None:
+            raise failure
         return [builds[s] for s in sources]

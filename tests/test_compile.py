@@ -71,6 +71,17 @@ def test_cancel_stops_a_compile_caches_nothing_and_later_compiles_run(tmp_path):
     assert compiler.lookup(source) is None and not list((tmp_path / "kernels").glob("*/*"))
     assert compiler.compile(source).status == "ok"  # the cancel applied to the compiles it stopped
 
+    # A batch cancelled while one of its builds is done still hands that build on (the run
+    # measures it rather than ending empty), however the two finish.
+    other = render(template_candidate("sm80_mma", {"stages": "4"}, 90), Problem(1, 1, 1, "fp16", "nn"))
+    stale = compiler.generation
+    compiler.cancel()
+    for _ in range(20):
+        heard = []
+        with pytest.raises(Cancelled):
+            compiler.compile_all([other, source], stale, lambda s, build: heard.append((s, build.status)))
+        assert heard == [(source, "ok")]
+
 
 def test_compile_error_keeps_the_log_and_is_cached(compiler):
     build = compiler.compile('extern "C" int cudal2_gemm() { return undefined_thing; }')
