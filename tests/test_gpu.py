@@ -333,46 +333,74 @@ def test_a_worker_keeps_only_the_memory_of_the_problem_it_times(tmp_path, compil
 DEV_SET = Path(os.environ.get("DEVSET", ROOT.parent / "shared" / "shapes" / "dev.csv"))
 
 
-@pytest.mark.skipif(not DEV_SET.is_file(), reason=f"the dev shape set ({DEV_SET}; DEVSET=path) is not there")
-def test_cublaslt_autotuned_and_both_methods_hold_over_the_dev_set(context):
+@pytest.fixture(scope="module")
+def dev_baselines(tmp_path_factory, compiler) -> dict[str, dict[str, dict]]:
+    """The baselines' rows over ../shared/shapes/dev.csv, measured once: problem -> kernel -> row."""
+    import pandas as pd
+
+    if not DEV_SET.is_file():
+        pytest.skip(f"the dev shape set ({DEV_SET}; DEVSET=path) is not there")
+    results = tmp_path_factory.mktemp("dev-baselines")
+    worker = Worker()
+    worker.start()
+    ctx = Context(Problem(64, 64, 64), Settings(results=results, budget=0.2, timeout=120.0), worker, compiler,
+                  Leaderboard(results), "test")
+    measured = {}
+    try:
+        for r in pd.read_csv(DEV_SET).itertuples():
+            ctx.problem, ctx.libraries = Problem(r.m, r.n, r.k, r.dtype, r.layout), None
+            measured[str(ctx.problem)] = {row["kernel"]: row for row in measure_baselines(ctx)}
+    finally:
+        worker.close()
+    return measured
+
+
+def test_cublaslt_autotuned_is_never_slower_than_cublas_over_the_dev_set(dev_baselines):
     """cuBLASLt autotuned is never slower than cuBLAS's default beyond noise (3%, and 0.15 us
     for calls under 5 us) unless its own autotuning, timing both side by side, found cuBLAS's
     default faster than every algorithm the heuristic offers (the list lacks that kernel: the
-    best baseline is then cuBLAS). The two methods time the same work: for calls of 20 us to
-    1 ms, each baseline's ratio to cuBLAS agrees within 5% between them, and no time differs
-    from the other method's by 1.5x. Their absolute times may differ by more than noise, as the
-    device differs (measured over 617 baseline rows of 20 us or more on the H200, graph / CUPTI
-    0.84-1.31: clocks after the sync's idle, a neighbour's DRAM traffic); their ratios agreed
-    within 3.6% on 95% of those problems, beyond it mostly on power-capped calls of
-    milliseconds. A method that missed or double-counted a kernel of a call breaks both."""
-    import pandas as pd
-
-    shapes = pd.read_csv(DEV_SET)
-    ctx = context(Problem(64, 64, 64))
-    slower, disagree = [], []
-    try:
-        for r in shapes.itertuples():
-            ctx.problem, ctx.libraries = Problem(r.m, r.n, r.k, r.dtype, r.layout), None
-            rows = {row["kernel"]: row for row in measure_baselines(ctx)}
-            lt, default = rows["cuBLASLt"], rows["cuBLAS"]
-            algo = json.loads(lt["cublaslt_algo"])
-            lacking = algo["us"] > algo["cublas_default_us"]
-            if lt["kernel_us"] > max(1.03 * default["kernel_us"], default["kernel_us"] + 0.15) and not lacking:
-                slower.append((str(ctx.problem), lt["kernel_us"], default["kernel_us"], algo))
-            for row in rows.values():
-                if row["kernel_us"] < 20.0:
-                    continue
-                times = (str(ctx.problem), row["kernel"], row["kernel_us"], row["graph_us"])
-                if max(row["graph_us"] / row["kernel_us"], row["kernel_us"] / row["graph_us"]) > 1.5:
-                    disagree.append(times)
-                if row is not default and default["kernel_us"] <= 1000.0:
-                    by_cupti = row["kernel_us"] / default["kernel_us"]
-                    by_graph = row["graph_us"] / default["graph_us"]
-                    if abs(by_graph / by_cupti - 1) > 0.05:
-                        disagree.append((*times, "to cuBLAS", round(by_cupti, 3), round(by_graph, 3)))
-    finally:
-        ctx.worker.close()
+    best baseline is then cuBLAS)."""
+    slower = []
+    for problem, rows in dev_baselines.items():
+        lt, default = rows["cuBLASLt"], rows["cuBLAS"]
+        algo = json.loads(lt["cublaslt_algo"])
+        lacking = algo["us"] > algo["cublas_default_us"]
+        if lt["kernel_us"] > max(1.03 * default["kernel_us"], default["kernel_us"] + 0.15) and not lacking:
+            slower.append((problem, lt["kernel_us"], default["kernel_us"], algo))
     assert not slower, slower
+
+
+def test_the_two_methods_rank_the_baselines_alike_over_the_dev_set(dev_baselines):
+    """The two methods time the same work: for calls of 20 us to 1 ms, each baseline's ratio
+    to cuBLAS agrees within 5% between them, and no time is 1.5x the other method's (a method
+    that missed or double-counted a kernel of a call breaks both). Over the H200 runs the
+    ratios agreed within 3.6% on 95% of 207 problems, beyond 5% mostly on power-capped calls
+    of milliseconds (docs/method.md)."""
+    disagree = []
+    for problem, rows in dev_baselines.items():
+        default = rows["cuBLAS"]
+        for row in rows.values():
+            if row["kernel_us"] < 20.0:
+                continue
+            times = (problem, row["kernel"], row["kernel_us"], row["graph_us"])
+            if max(row["graph_us"] / row["kernel_us"], row["kernel_us"] / row["graph_us"]) > 1.5:
+                disagree.append(times)
+            if row is not default and default["kernel_us"] <= 1000.0:
+                by_cupti, by_graph = row["kernel_us"] / default["kernel_us"], row["graph_us"] / default["graph_us"]
+                if abs(by_graph / by_cupti - 1) > 0.05:
+                    disagree.append((*times, "to cuBLAS", round(by_cupti, 3), round(by_graph, 3)))
+    assert not disagree, disagree
+
+
+def test_the_two_methods_agree_within_5_percent_for_calls_of_20_us_or_more(dev_baselines):
+    """The measurement issue's rule: CUPTI and in-graph times of each baseline agree within 5%
+    for calls of 20 us or more. Not yet met on the H200 (docs/method.md: 54 of 464 baseline
+    rows of the current protocol beyond it; the graph reads 5-13% slower on 20-100 us calls
+    that write a large C over a short K, 4096x16384x64 among them, and 5-16% faster on
+    power-capped calls of milliseconds, 16384x4096x16384 among them)."""
+    disagree = [(problem, row["kernel"], row["kernel_us"], row["graph_us"])
+                for problem, rows in dev_baselines.items() for row in rows.values()
+                if row["kernel_us"] >= 20.0 and abs(row["graph_us"] / row["kernel_us"] - 1) > 0.05]
     assert not disagree, disagree
 
 
