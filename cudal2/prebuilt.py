@@ -141,21 +141,23 @@ def available(cache_dir: Path, arch: str, measured: pd.DataFrame) -> list[Entry]
 def build(entries: list[Entry], compiler: Compiler,
           on_build: Callable[[int, int, Entry, Build], None] | None = None) -> list[Build]:
     """Compiles every entry into the cache (cached ones are not compiled again), in parallel;
-    `on_build(done, total, entry, build)` hears of each as it finishes. The built ones are
-    added to the cache's manifest."""
-    by_source = {e.source: e for e in entries}
+    `on_build(done, total, entry, build)` hears of each as it finishes. Each built one is
+    added to the cache's manifest as it finishes, so a stopped build's manifest lists what
+    it built."""
+    by_source: dict[str, list[Entry]] = {}
+    for entry in entries:
+        by_source.setdefault(entry.source, []).append(entry)
     done = 0
 
     def finished(source: str, result: Build) -> None:
         nonlocal done
         done += 1
+        if result.status == "ok":
+            _add_to_manifest(compiler.root.parent, compiler.arch, by_source[source])
         if on_build:
-            on_build(done, len(by_source), by_source[source], result)
+            on_build(done, len(by_source), by_source[source][-1], result)
 
-    builds = compiler.compile_all(list(by_source), on_build=finished)
-    built = {source for source, b in zip(by_source, builds) if b.status == "ok"}
-    _add_to_manifest(compiler.root.parent, compiler.arch, [e for e in entries if e.source in built])
-    return builds
+    return compiler.compile_all(list(by_source), on_build=finished)
 
 
 def _entry_record(entry: Entry) -> dict:

@@ -94,6 +94,15 @@ def test_a_build_resumes_and_travels_to_another_machine_as_a_tarball(tmp_path):
     starts = prebuilt.available(tmp_path / "there", "sm_90a", rows)
     assert [str(e.candidate) for e in starts] == [str(e.candidate) for e in entries + [pick]]
     assert prebuilt.available(tmp_path / "elsewhere", "sm_90a", rows[:0]) == []
+    # A build stopped after its first finished compile (Ctrl-C, say) has that one listed.
+    stopped = tmp_path / "stopped"
+
+    def stop(done, total, entry, build):
+        raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        prebuilt.build(entries, Compiler("sm_90a", stopped, jobs=1), stop)
+    assert len(prebuilt.manifest(stopped, "sm_90a")) == 1
 
 
 def test_a_tarball_that_is_not_a_cache_is_refused(tmp_path):
