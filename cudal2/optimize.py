@@ -240,12 +240,16 @@ def optimize(ctx: Context, proposer: Proposer, budget: Budget, *, remeasure: boo
 
     early: set[str] = set()  # sources measured while their batch was still compiling
 
+    def built_unmeasured() -> list[Built]:
+        """The compiling batch's builds that finished and were not measured early."""
+        return [item for item in list(compiled) if item.build.status == "ok" and item.source not in early]
+
     def batch_result(pending) -> tuple[list[Built], list[dict[str, Any]]]:
         """The compiling batch's builds and invalid rows. Until a kernel is verified, each
         build that finishes meanwhile is measured at once: a run from an empty cache has its
         first verified kernel when the quickest compile ends, not the slowest."""
         while not verified():
-            ready = [item for item in list(compiled) if item.build.status == "ok" and item.source not in early]
+            ready = built_unmeasured()
             if ready:
                 early.add(ready[0].source)
                 measure_batch(ready[:1], [], ahead=True)
@@ -277,7 +281,7 @@ def optimize(ctx: Context, proposer: Proposer, budget: Budget, *, remeasure: boo
                 if not verified():  # never end empty: the batch's proposal, and what of it is built
                     with contextlib.suppress(Exception):  # its compiles stopped: Cancelled
                         pending.result(timeout=PROPOSAL_WAIT_S)
-                    ready = [item for item in list(compiled) if item.build.status == "ok" and item.source not in early]
+                    ready = built_unmeasured()
                     if ready:
                         out.stopped += f"; the {len(ready)} kernel(s) built by then measured"
                         measure_batch(ready, [])
