@@ -259,7 +259,7 @@ def abi_call(kernel, workspace, problem: Problem, stream, name: str):
     from .verify import Rejected
 
     def run(a, b, c) -> None:
-        code = kernel.gemm(a.data.ptr, b.data.ptr, c.data.ptr, problem.m, problem.n, problem.k,
+        code = kernel.call(a.data.ptr, b.data.ptr, c.data.ptr, problem.m, problem.n, problem.k,
                            workspace.data.ptr, workspace.nbytes, stream.ptr)
         if code != 0:
             raise Rejected("cheat", f"{name}: cudal2_gemm returned {code} while timed, 0 while verified", name)

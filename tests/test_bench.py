@@ -2,8 +2,11 @@
 each call timed alone, outputs checked, the lower of the two methods claimed."""
 
 import random
+import re
+from pathlib import Path
 
 import pytest
+from conftest import gpu_count
 
 from cudal2.bench import INPUT_SETS, OFFLINE_METHODS, claimed, graph_rounds, kernel_rounds
 from cudal2.measure import window_totals
@@ -232,8 +235,8 @@ class StandInChild:
         self.log.append((self.name, job["op"], job))
         return self.answer(job)
 
-    def close(self):
-        pass
+    def close(self):  # the real one ends the process: the next request starts a fresh one
+        self.log.append((self.name, "close", None))
 
 
 def two_phase_worker(graph_answer, cupti_answer):
@@ -365,7 +368,7 @@ def test_measure_verifies_each_kernel_alone_then_times_the_verified_together():
     results = worker.measure(job(), ["a.so", "b.so", "c.so"], 10)
     assert [r["status"] for r in results] == ["ok", "wrong", "ok"]
     assert opened == [["a.so", "c.so"]]  # one session: the two verified, not the wrong one
-    tolerances = [k["tolerance"] for k in log[3][2]["kernels"]]
+    tolerances = [k["tolerance"] for k in next(j for _, op, j in log if op == "kernels")["kernels"]]
     assert tolerances == [0.01, 0.02]  # each with the tolerance its verification found
     # each result: its own time under "kernel", beside the same baselines' of the session
     assert results[0]["timings"]["graph"]["kernel"] == {"median_us": 10.0}
@@ -418,3 +421,69 @@ def test_a_study_protocol_stays_in_the_graph_process():
     worker, log = two_phase_worker(lambda j: {"status": "ok", "timings": {"offline": {}}}, lambda j: pytest.fail("cupti"))
     assert worker.measure(job("fenced"), ["k.so"], 10)[0]["timings"] == {"offline": {}} and len(log) == 1
     assert worker.request(job("fenced", op="baselines"), 10)["timings"] == {"offline": {}} and len(log) == 2
+
+
+def test_after_a_fault_the_next_kernel_is_verified_in_a_fresh_process():
+    """A kernel that swallowed a failed launch (its output unwritten, an error left pending),
+    one that crashed, one judged wrong: each is followed by a fresh process, so the honest
+    kernel after it, which returns what cudaGetLastError() says, reports its own status. A
+    kernel that declines the shape cleanly, or passes, costs no process."""
+    ok = {"status": "ok", "tolerance": 0.01}
+    verdicts = {"swallowed.so": {"status": "wrong", "error": "outputs unwritten",
+                                 "left_error": "cudaErrorInvalidConfiguration"},
+                "crash.so": {"status": "crash", "error": "worker process died (exit code -6)"},
+                "half.so": {"status": "wrong", "error": "max error"},
+                "declines.so": {"status": "unsupported", "error": "returned 1"},
+                "leaves.so": {**ok, "left_error": "cudaErrorInvalidValue"},
+                "honest.so": ok}
+    order = ["honest.so", "swallowed.so", "honest.so", "crash.so", "honest.so", "declines.so", "honest.so",
+             "half.so", "leaves.so", "honest.so"]
+    worker, log, opened = measuring_worker(verdicts, [])
+    worker.request = lambda job, timeout: {"status": "ok", "rejected": {}, "timings": {}}  # the sessions: not here
+    worker.measure(job(), order, 10)
+    verified = [("close" if op == "close" else j["library"]) for name, op, j in log if name == "graph"]
+    assert verified == ["honest.so", "swallowed.so", "close", "honest.so", "crash.so", "close", "honest.so",
+                        "declines.so", "honest.so", "half.so", "close", "leaves.so", "close", "honest.so"]
+
+
+def test_a_session_that_failed_or_left_an_error_is_followed_by_fresh_processes():
+    ok = {"status": "ok", "tolerance": 0.01}
+    left = lambda j: ({"status": "ok", "timings": {"kernel": timed("kernel:0")}, "left_errors": {"kernel:0": "cudaErrorInvalidValue"}}
+                      if j["op"] == "finish" else {"status": "ok"})
+    clean = (session_answers({"status": "ok", "typical_us": 1.0}, {"graph": timed("kernel:0")}),
+             session_answers({"status": "ok"}, {"kernel": timed("kernel:0")}))
+    caught = (session_answers({"status": "ok", "typical_us": 1.0}, {}),
+              session_answers({"status": "ok"}, {}, failing_round=1))
+    leaving = (session_answers({"status": "ok", "typical_us": 1.0}, {"graph": timed("kernel:0")}), left)
+
+    for session, fresh in ((clean, False), (caught, True), (leaving, True)):
+        worker, log, opened = measuring_worker({"a.so": ok}, [session])
+        result = worker.measure(job(), ["a.so"], 10)[0]
+        closed = {name for name, op, _ in log if op == "close"}
+        assert closed == ({"graph", "cupti"} if fresh else set()), (session, log)
+        assert result["status"] == ("cheat" if session is caught else "ok")
+
+
+@pytest.mark.skipif(gpu_count() > 0, reason="with a GPU the script measures for minutes (the README's test runs it)")
+def test_a_script_calling_the_api_at_its_top_level_starts_the_worker_once(tmp_path):
+    """The worker is a fresh interpreter that never imports the caller's main module: a script
+    of two lines at its top level, run as a file or from stdin, is not run again in the
+    worker (multiprocessing's spawn did, which died bootstrapping). Without a GPU it ends
+    with the one error of no usable device, which the worker reports."""
+    import os
+    import subprocess
+    import sys
+
+    script = tmp_path / "snippet.py"
+    script.write_text("import cudal2\nresult = cudal2.bench(cudal2.Problem(64, 64, 64))\n")
+    env = {**os.environ, "CUDAL2_RESULTS": str(tmp_path / "results"), "CUDAL2_CACHE_DIR": str(tmp_path / "cache"),
+           "PYTHONPATH": os.pathsep.join(filter(None, [str(Path(__file__).resolve().parent.parent),
+                                                       os.environ.get("PYTHONPATH")]))}
+    runs = [subprocess.run([sys.executable, str(script)], capture_output=True, text=True, env=env, cwd=tmp_path,
+                           timeout=300),
+            subprocess.run([sys.executable, "-"], stdin=script.open(), capture_output=True, text=True, env=env,
+                           cwd=tmp_path, timeout=300)]
+    for run in runs:
+        assert "bootstrapping" not in run.stderr and "EOFError" not in run.stderr, run.stderr
+        assert run.returncode == 1
+        assert re.search(r"no usable CUDA device|no NVIDIA driver", run.stderr.strip().splitlines()[-1]), run.stderr
