@@ -78,8 +78,8 @@ class Worker:
         baselines): both processes set up (the graph process autotunes first), then each
         times rounds of its methods (at least MIN_ROUNDS) for the job's timing budget, which
         grows with its contestants beyond one kernel and the baselines, so that each gets the
-        rounds it would in a session of one kernel; after SOAK_S of untimed replays for calls
-        (cuBLAS's) of SOAK_US or more. For
+        rounds it would in a session of one kernel; after SOAK_S (or the job's `soak_s`) of
+        untimed replays for calls (cuBLAS's) of SOAK_US or more. For
         calls of INTERLEAVE_US or more, the two processes' rounds alternate (twice the budget
         in all), so that clock and thermal drift fall on both methods alike; then each
         returns its methods' timings. A study protocol's job runs in the graph process alone."""
@@ -96,7 +96,8 @@ class Worker:
         short = typical < INTERLEAVE_US
         temperature = None
         if typical >= SOAK_US:
-            if (answer := self._graph.request({"op": "soak", "seconds": SOAK_S}, timeout)).get("status") != "ok":
+            soak = {"op": "soak", "seconds": job["settings"].get("soak_s", SOAK_S)}
+            if (answer := self._graph.request(soak, timeout)).get("status") != "ok":
                 return {**first, **answer, "timings": {}}
             temperature = gpu_temperature(self.device)  # what the clock at the power cap depends on
         for turn in ([(c,) for c in children] if short else [children]):
