@@ -399,7 +399,10 @@ def read_pick(path: Path, key: dict[str, Any]) -> dict[str, Any] | None:
 
 def write_pick(path: Path, key: dict[str, Any], record: dict[str, Any]) -> None:
     """Keeps the choice under the key (replacing the key's earlier one), the file replaced
-    whole; a cache that cannot be written is left as it is."""
+    whole; a record not shaped like a choice is not kept, and a cache that cannot be
+    written is left as it is."""
+    if not _well_formed(record):
+        return
     entries = [e for e in _entries(path) if e["key"] != key] + [{"key": key, "record": record}]
     temporary = path.with_name(f".{path.name}.{os.getpid()}.{threading.get_ident()}")
     try:

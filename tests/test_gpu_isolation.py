@@ -7,6 +7,7 @@ Run with `pytest -m gpu`."""
 from __future__ import annotations
 
 import random
+import re
 
 import pytest
 
@@ -48,7 +49,7 @@ def test_an_error_left_pending_is_cleared_before_the_next_contestants_call(compi
     args = (ops.a.data.ptr, ops.b.data.ptr, ops.c.data.ptr, 256, 256, 256, ops.ws.data.ptr, 0, stream.ptr)
     assert swallowed.gemm(*args) == 0 and honest.gemm(*args) == 1  # what an error left behind does
     assert swallowed.call(*args) == 0 and honest.call(*args) == 0
-    assert swallowed.left_error == "cudaErrorInvalidConfiguration" and honest.left_error is None
+    assert swallowed.left_error.startswith("cudaError") and honest.left_error is None
     stream.synchronize()
 
 
@@ -76,6 +77,6 @@ def test_the_honest_kernel_is_accepted_beside_faulting_ones_in_one_run(tmp_path,
     report = {name: (row["status"], (row.get("error") or "")[:300]) for name, row in rows.items()}
     print(shape, report)
     assert {name: rows[name]["status"] for name in variants} == {v: EXPECTED[v] for v in variants}, report
-    assert "cudaErrorInvalidConfiguration" in rows["swallowed"]["error"], report
+    assert re.search(r"left cudaError\w+ pending", rows["swallowed"]["error"]), report  # (InvalidValue on CUDA 13)
     for name in ("honest", "leaves_error"):  # timed, in one session, each against its session's baselines
         assert rows[name]["speedup_offline"] > 0 and not rows[name].get("error"), report
