@@ -206,18 +206,18 @@ class _Child:
         self.environment: dict[str, Any] | None = None
 
     def _start(self) -> None:
-        parent, child = socket.socketpair()
-        with child:
+        ours, theirs = socket.socketpair()
+        with theirs:
             self._proc = subprocess.Popen(
-                [sys.executable, "-c", _START, json.dumps(sys.path), str(child.fileno()), str(self.device),
-                 str(int(self.cupti))], pass_fds=(child.fileno(),), stdin=subprocess.DEVNULL)
+                [sys.executable, "-c", _START, json.dumps(sys.path), str(theirs.fileno()), str(self.device),
+                 str(int(self.cupti))], pass_fds=(theirs.fileno(),), stdin=subprocess.DEVNULL)
         _LIVE.add(self._proc)
-        self._conn = parent = Connection(parent.detach())
-        if not parent.poll(300):
+        self._conn = Connection(ours.detach())
+        if not self._conn.poll(300):
             self.close()
             raise Cudal2Error("the GPU worker did not start within 300 s")
         try:
-            hello = parent.recv()
+            hello = self._conn.recv()
         except EOFError:
             self.close()
             raise Cudal2Error("the GPU worker exited as it started (its error is printed above)") from None
