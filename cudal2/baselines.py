@@ -19,9 +19,12 @@ timed through that path; nor is it on the device image this project measures on.
 from __future__ import annotations
 
 import ctypes
+import hashlib
 import importlib.util
 import json
 import math
+import os
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -156,6 +159,7 @@ class CublasLt:
         lib.cudal2_lt_heuristics.argtypes = [ctypes.c_int] * 4
         lib.cudal2_lt_select.argtypes = [ctypes.c_int]
         lib.cudal2_lt_describe.argtypes = [ctypes.c_int, ctypes.POINTER(ctypes.c_int)]
+        lib.cublasLtGetVersion.restype = ctypes.c_size_t
         self.lib = lib
 
     def algorithms(self, problem: Problem, requested: int = LT_ALGOS) -> int:
@@ -168,6 +172,10 @@ class CublasLt:
         if self.lib.cudal2_lt_select(index) != 0:
             raise RuntimeError(f"no cuBLASLt algorithm {index}")
 
+    def version(self) -> int:
+        """cuBLASLt's version, as the library loaded in this process gives it."""
+        return int(self.lib.cublasLtGetVersion())
+
     def describe(self, index: int) -> dict[str, int]:
         out = (ctypes.c_int * len(LT_FIELDS))()
         self.lib.cudal2_lt_describe(index, out)
@@ -177,25 +185,33 @@ class CublasLt:
 DEFAULT = -1  # the key of cuBLAS's default call, timed beside the algorithms as their reference
 CLOSE = 0.03  # algorithms within this of the fastest are timed again (the fastest of 32 noisy medians flatters)
 RETIMED = 4  # the most timed again
+# Device seconds of the autotuning's two passes (all the heuristic's algorithms, then the close
+# ones again): the baselines of a problem take at most about 2 s in all (measure_baselines).
+# Long calls get fewer rounds, then fewer algorithms, in the heuristic's order.
+AUTOTUNE_S = (0.3, 0.1)
 
 
 def autotune(lt: CublasLt, problem: Problem, medians) -> dict[str, Any]:
-    """Times every algorithm the heuristic offers and selects the fastest; returns its record.
+    """Times the algorithms the heuristic offers and selects the fastest; returns its record.
 
-    `medians(indices)` gives the median device us of each index, all timed together, with
-    cuBLAS's default call beside them under `DEFAULT`. The algorithms within 3% of the fastest
-    are timed again, alone, and the fastest of that round is kept: one noisy round's minimum
-    is biased low. The record keeps cuBLAS's default from the same round, so a choice slower
-    than it says that the heuristic's list lacks cuBLAS's kernel, not that the timing was off."""
-    times = medians(list(range(lt.algorithms(problem))))
+    `medians(indices, budget_s)` gives the median device us of each index that `budget_s`
+    of device time allows (the first ones), all timed together, with cuBLAS's default call
+    beside them under `DEFAULT`. The algorithms within 3% of the fastest are timed again,
+    alone, and the fastest of that round is kept: one noisy round's minimum is biased low.
+    The record keeps cuBLAS's default from the same round, so a choice slower than it says
+    that the heuristic's list lacks cuBLAS's kernel, not that the timing was off; `of` counts
+    the algorithms timed, `offered` those the heuristic offered."""
+    offered = lt.algorithms(problem)
+    times = medians(list(range(offered)), AUTOTUNE_S[0])
     default = times.pop(DEFAULT, None)
     best = min(times.values())
     close = sorted((i for i in times if times[i] <= best * (1 + CLOSE)), key=times.get)[:RETIMED]
-    final = medians(close) if len(close) > 1 else times
+    final = medians(close, AUTOTUNE_S[1]) if len(close) > 1 else times
     default = final.pop(DEFAULT, default)
     fastest = min(final, key=final.get)
     lt.select(fastest)
-    record = {"index": fastest, "of": len(times), "us": round(final[fastest], 3),
+    record = {"index": fastest, "of": len(times), "offered": offered, "cublaslt_version": lt.version(),
+              "us": round(final[fastest], 3),
               "heuristic_first_us": round(times[0], 3), **lt.describe(fastest)}
     if len(close) > 1:
         record["retimed"] = close
@@ -254,12 +270,20 @@ def choose_finalist(record: dict[str, Any], timings: dict[str, dict[str, dict]],
 _LT_CHOICE: dict[tuple, dict[str, Any]] = {}
 
 
+def names_its_algorithm(lt: CublasLt, count: int, record: dict[str, Any]) -> bool:
+    """Whether the record's index (of the heuristic's `count` algorithms) still names the
+    configuration it recorded, in the cuBLASLt it was made with."""
+    index = record.get("index")
+    return (isinstance(index, int) and 0 <= index < count and record.get("cublaslt_version") == lt.version()
+            and all(record.get(field) == value for field, value in lt.describe(index).items()))
+
+
 def abi_call(kernel, workspace, problem: Problem, stream, name: str):
     """run(a, b, c) for a library implementing the kernel ABI; a non-zero return is an error."""
     from .verify import Rejected
 
     def run(a, b, c) -> None:
-        code = kernel.gemm(a.data.ptr, b.data.ptr, c.data.ptr, problem.m, problem.n, problem.k,
+        code = kernel.call(a.data.ptr, b.data.ptr, c.data.ptr, problem.m, problem.n, problem.k,
                            workspace.data.ptr, workspace.nbytes, stream.ptr)
         if code != 0:
             raise Rejected("cheat", f"{name}: cudal2_gemm returned {code} while timed, 0 while verified", name)
@@ -285,10 +309,12 @@ def library_calls(problem: Problem, job: dict[str, Any], stream, rng) -> tuple[d
                           problem, stream, name) for name, kernel in (("cuBLAS", blas), ("cuBLASLt", lt.kernel))}
     lt_call = run["cuBLASLt"]
     key = (problem.m, problem.n, problem.k, problem.dtype, problem.layout)
+    count = lt.algorithms(problem)
     if job.get("cublaslt"):
         _LT_CHOICE[key] = job["cublaslt"]
+    if key in _LT_CHOICE and not names_its_algorithm(lt, count, _LT_CHOICE[key]):
+        del _LT_CHOICE[key]  # a choice (kept on disk, say) that the heuristic's list no longer holds
     if key in _LT_CHOICE:
-        lt.algorithms(problem)
         lt.select(_LT_CHOICE[key]["index"])
     else:
         def run_algorithm(name: str, a, b, c) -> None:
@@ -298,8 +324,9 @@ def library_calls(problem: Problem, job: dict[str, Any], stream, rng) -> tuple[d
                 lt.select(int(name))
                 run["cuBLASLt"](a, b, c)
 
-        def medians(indices: list[int]) -> dict[int, float]:
-            found = graph_medians(run_algorithm, [str(i) for i in [*indices, DEFAULT]], problem, stream=stream, rng=rng)
+        def medians(indices: list[int], budget_s: float) -> dict[int, float]:
+            found = graph_medians(run_algorithm, [str(i) for i in [DEFAULT, *indices]], problem, stream=stream,
+                                  rng=rng, budget_s=budget_s)
             return {int(name): us for name, us in found.items()}
 
         _LT_CHOICE[key] = autotune(lt, problem, medians)
@@ -320,6 +347,70 @@ def library_calls(problem: Problem, job: dict[str, Any], stream, rng) -> tuple[d
     if (torch_run := torch_gemm(problem, stream)) is not None:
         run["torch.matmul"] = torch_run
     return run, record
+
+
+# ------------------------------------------------ the autotuning's choice, kept on this machine
+
+PICKS = "cublaslt-picks.json"  # in the cache directory: {"entries": [{"key": ..., "record": ...}]}
+# The baselines' own session (their rows; the choice between cuBLASLt's finalists): rounds for
+# at most this timing budget, after this soak (long calls), so that with the autotuning the
+# baselines of a problem take about 2 s at most. Each kernel's session times them again beside it.
+SESSION_BUDGET_S, SESSION_SOAK_S = 0.2, 0.3
+
+
+def cublaslt_version() -> str | None:
+    """The cuBLASLt library the shim links, as its file's name and size (a wheel's carries
+    only the major version in its name)."""
+    where = cublas_location()
+    if where is None:
+        return None
+    library = (where[1] / where[3]).resolve()
+    return f"{library.name}:{library.stat().st_size}"
+
+
+def pick_key(problem: Problem, environment: dict[str, Any], version: str | None) -> dict[str, Any]:
+    """What cuBLASLt's choice for a problem depends on: the problem, the GPU and its driver,
+    the cuBLASLt library (`version`), and the shim's request (its source and LT_ALGOS)."""
+    shim = hashlib.sha256(f"{LT_ALGOS}\n{(Path(__file__).parent / 'baselines.cu').read_text()}".encode()).hexdigest()
+    return {"m": problem.m, "n": problem.n, "k": problem.k, "dtype": problem.dtype, "layout": problem.layout,
+            "gpu": environment.get("gpu"), "cc": environment.get("cc"), "driver": environment.get("driver"),
+            "cublaslt": version, "shim": shim[:16]}
+
+
+def _entries(path: Path) -> list[dict[str, Any]]:
+    """The file's well-formed entries; none when it is missing or unreadable."""
+    try:
+        entries = json.loads(path.read_text()).get("entries", [])
+    except (OSError, ValueError, AttributeError):
+        return []
+    return [e for e in entries if isinstance(e, dict) and isinstance(e.get("key"), dict) and _well_formed(e.get("record"))]
+
+
+def _well_formed(record: Any) -> bool:
+    return (isinstance(record, dict) and isinstance(record.get("index"), int) and record["index"] >= 0
+            and all(isinstance(record.get(field), int) for field in LT_FIELDS))
+
+
+def read_pick(path: Path, key: dict[str, Any]) -> dict[str, Any] | None:
+    """The choice kept under exactly this key, or None (the worker checks it against the
+    heuristic's list before using it: names_its_algorithm)."""
+    return next((e["record"] for e in _entries(path) if e["key"] == key), None)
+
+
+def write_pick(path: Path, key: dict[str, Any], record: dict[str, Any]) -> None:
+    """Keeps the choice under the key (replacing the key's earlier one), the file replaced
+    whole; a record not shaped like a choice is not kept, and a cache that cannot be
+    written is left as it is."""
+    if not _well_formed(record):
+        return
+    entries = [e for e in _entries(path) if e["key"] != key] + [{"key": key, "record": record}]
+    temporary = path.with_name(f".{path.name}.{os.getpid()}.{threading.get_ident()}")
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        temporary.write_text(json.dumps({"entries": entries}, sort_keys=True))
+        os.replace(temporary, path)
+    except OSError:
+        temporary.unlink(missing_ok=True)
 
 
 def algo_json(record: dict[str, Any] | None) -> str | None:

@@ -46,16 +46,12 @@ def tune_task(problem: dict[str, Any], options: dict[str, Any], settings: Settin
     """On a worker: cudal2's optimize loop on one shape, into a fresh results directory
     holding `seed` (the head's verified rows on this GPU, a leaderboard.compact table: the
     search's priors, as on the head); returns its new rows and the sources they name."""
-    import multiprocessing
-
     import pyarrow.parquet as pq
 
     from . import api
 
-    # A Dask worker's process is a daemon, and multiprocessing lets a daemon start no process
-    # of its own: the GPU worker's two (cudal2/worker.py), which this task starts and stops.
-    me = multiprocessing.current_process()
-    daemon, me.daemon = me.daemon, False
+    # (a Dask worker's process is a daemon; the GPU worker's processes are plain subprocesses,
+    # which a daemon may start)
     with tempfile.TemporaryDirectory(prefix="cudal2-cluster-") as scratch:
         local = dataclasses.replace(settings, results=Path(scratch), device=0)
         board = Leaderboard(local.results)
@@ -64,10 +60,7 @@ def tune_task(problem: dict[str, Any], options: dict[str, Any], settings: Settin
             board.parts.mkdir(parents=True)
             pq.write_table(seed, board.parts / "part-seed.parquet")
             seeded = set(seed.column("run_id").to_pylist())
-        try:
-            api.optimize([Problem(**problem)], settings=local, **options)
-        finally:
-            me.daemon = daemon
+        api.optimize([Problem(**problem)], settings=local, **options)
         rows = board.read(bench=None)
         rows = rows[~rows["run_id"].isin(seeded)]
         sources = {h: board.source(h) for h in set(rows["source_hash"].dropna())}

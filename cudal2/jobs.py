@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 import random
 import traceback
+from multiprocessing.connection import Connection
 from typing import Any
 
 from .baselines import FINALIST, abi_call, library_calls
@@ -18,7 +19,14 @@ from .problem import Problem
 from .verify import UNIT_ROUNDOFF, poison_output
 
 
+def main(fd: str, device: str, cupti: str) -> None:
+    """The worker process's entry (cudal2/worker.py starts it): serves the parent's requests
+    on the connection `fd` for the GPU `device`, with CUPTI loaded if `cupti` is "1"."""
+    serve(Connection(int(fd)), int(device), cupti == "1")
+
+
 def serve(conn, device: int, cupti: bool) -> None:
+    """Answers the parent's jobs until it sends None or goes away."""
     try:
         import cupy
 
@@ -41,7 +49,10 @@ def serve(conn, device: int, cupti: bool) -> None:
     handlers = {"kernel": _kernel_job, "kernels": _kernels_job, "baselines": _baselines_job, "round": _round_job,
                 "soak": _soak_job, "finish": _finish_job, "memory": _memory_job}
     while True:
-        job = conn.recv()
+        try:
+            job = conn.recv()
+        except EOFError:  # the parent is gone
+            return
         if job is None:
             return
         untrusted = job["op"] in ("kernel", "kernels") or (
@@ -86,7 +97,7 @@ def _kernel_job(job: dict[str, Any], environment: dict[str, Any], timer) -> dict
     with stream:
         verdict = verify(kernel, problem, stream, cublas_gemm(problem, stream), rng)
         result = {"status": verdict.status, "error": verdict.reason,
-                  "max_error": verdict.max_error, "tolerance": verdict.tolerance}
+                  "max_error": verdict.max_error, "tolerance": verdict.tolerance, "left_error": kernel.left_error}
         if verdict.status == "ok" and job["settings"].get("protocol") in STUDY_PROTOCOLS:
             return {**result, **study_job(job, environment, stream, rng, kernel)}
     return result
@@ -106,17 +117,18 @@ def _kernels_job(job: dict[str, Any], environment: dict[str, Any], timer) -> dic
     with stream:
         run, record = library_calls(problem, job, stream, rng)
         tolerance = {name: 2 * UNIT_ROUNDOFF[problem.dtype] for name in run}
-        kernels = {}
+        kernels, calls = {}, {}
         for entry in job["kernels"]:
-            kernel = Kernel(entry["library"])
+            kernel = kernels[entry["name"]] = Kernel(entry["library"])
             workspace = cupy.empty(max(1, kernel.workspace_bytes(problem.m, problem.n, problem.k)), cupy.uint8)
-            kernels[entry["name"]] = abi_call(kernel, workspace, problem, stream, entry["name"])
+            calls[entry["name"]] = abi_call(kernel, workspace, problem, stream, entry["name"])
             tolerance[entry["name"]] = entry["tolerance"]
         try:
-            session = _open("kernels", job, {**kernels, **run}, problem, stream=stream, timer=timer,
+            session = _open("kernels", job, {**calls, **run}, problem, stream=stream, timer=timer,
                             environment=environment, rng=rng, tolerance=tolerance)
         except Rejected as r:
             return _rejected(r, frozenset(kernels))
+        _SESSION["kernels"] = kernels
     return {"status": "ok", "cublaslt": record, "typical_us": session.typical_us, "contestants": len(session.names)}
 
 
@@ -150,8 +162,10 @@ def _soak_job(job: dict[str, Any], environment: dict[str, Any], timer) -> dict[s
 
 
 def _finish_job(job: dict[str, Any], environment: dict[str, Any], timer) -> dict[str, Any]:
-    """The open session's timings, and the kernels it rejects (`rejected`: name -> status,
-    reason): one faster than this GPU's physical limit is a cheat."""
+    """The open session's timings, the kernels it rejects (`rejected`: name -> status,
+    reason): one faster than this GPU's physical limit is a cheat; and the CUDA errors its
+    kernels' calls left pending (`left_errors`: name -> error; each was cleared before the
+    next call, and the parent starts a fresh process for what follows)."""
     from .verify import Rejected, physical_floor_us
 
     session, problem = _SESSION["session"], _SESSION["problem"]
@@ -159,6 +173,7 @@ def _finish_job(job: dict[str, Any], environment: dict[str, Any], timer) -> dict
         timings = session.finish()
     except Rejected as r:
         return _rejected(r, session.suspects)
+    left = {name: kernel.left_error for name, kernel in _SESSION.get("kernels", {}).items() if kernel.left_error}
     _SESSION.clear()
     rejected = {}
     for method, entries in timings.items():
@@ -167,7 +182,7 @@ def _finish_job(job: dict[str, Any], environment: dict[str, Any], timer) -> dict
             if entries[name]["median_us"] < 0.9 * floor:
                 rejected[name] = ("cheat", f"{method} time {entries[name]['median_us']:.2f} us is below the "
                                            f"physical limit {floor:.2f} us of this GPU")
-    return {"status": "ok", "timings": timings, "rejected": rejected}
+    return {"status": "ok", "timings": timings, "rejected": rejected, "left_errors": left}
 
 
 def _memory_job(job: dict[str, Any], environment: dict[str, Any], timer) -> dict[str, Any]:

@@ -124,9 +124,10 @@ def neighbour_kernel(stream) -> Callable[[], None]:
     return lambda: kernel((NEIGHBOUR_FLOATS // 256,), (256,), (x, cupy.uint32(NEIGHBOUR_FLOATS)), stream=stream)
 
 
-def graph_calls(names, run, sets: InputSets, stream, reference: str | None = None) -> tuple[int, float]:
+def graph_calls(names, run, sets: InputSets, stream, reference: str | None = None,
+                target_us: float = GRAPH_TARGET_US) -> tuple[int, float]:
     """Calls per graph (a multiple of the sets) so that one replay takes about
-    GRAPH_TARGET_US, and the time per call they come from: the `reference` contestant's
+    `target_us`, and the time per call they come from: the `reference` contestant's
     (so that the problem, not the company a kernel keeps, decides), else the median
     contestant's, by events around a call on each set (an upper bound: the host's launch
     time is in it)."""
@@ -143,7 +144,7 @@ def graph_calls(names, run, sets: InputSets, stream, reference: str | None = Non
         times.append(cupy.cuda.get_elapsed_time(start, end) * 1e3 / len(sets.a))
     typical = times[names.index(reference)] if reference in names else sorted(times)[len(times) // 2]
     per_call = typical + 2.0  # the neighbour takes about 2 us
-    return INPUT_SETS * max(1, min(20, round(GRAPH_TARGET_US / per_call / INPUT_SETS))), typical
+    return INPUT_SETS * max(1, min(20, round(target_us / per_call / INPUT_SETS))), typical
 
 
 def graphs(names, run, sets: InputSets, stream, calls: int, neighbour: Callable[[], None] | None = None):
@@ -294,20 +295,35 @@ def time_alone(session: Session, budget_s: float, min_rounds: int = 5) -> dict[s
 
 
 def graph_medians(run: Callable[[str, object, object, object], None], names: list[str], problem: Problem, *,
-                  stream, rng: random.Random, rounds: int = 7, warmup_rounds: int = 3) -> dict[str, float]:
-    """The graph method's median for each of `names` (run(name, a, b, c) calls one), all
-    replayed in the same shuffled rounds on rotating sets, so that the clock's drift falls
-    on all alike (the cuBLASLt autotuning: the algorithm a model's graph would run fastest),
-    after `warmup_rounds` untimed ones (an idle GPU's first rounds run at a higher clock
-    than a busy one's). A contestant's choice must be made when its call is captured: run()
-    makes it."""
+                  stream, rng: random.Random, budget_s: float, rounds: int = 7, warmup_rounds: int = 3,
+                  target_us: float = 500.0) -> dict[str, float]:
+    """The graph method's median for each of `names` (run(name, a, b, c) calls one) that
+    `budget_s` of device time allows, in their order (the first sizes the graphs: each
+    replay about `target_us`); all replayed in the same shuffled rounds on rotating sets, so
+    that the clock's drift falls on all alike (the cuBLASLt autotuning: the algorithm a
+    model's graph would run fastest), after `warmup_rounds` untimed ones (an idle GPU's first
+    rounds run at a higher clock than a busy one's). Where all of them do not fit, one
+    warm-up and three timed rounds, and as many names as fit then (two at least). A
+    contestant's choice must be made when its call is captured: run() makes it."""
     sets = InputSets(problem, Numerics(problem.dtype), ["shared"], rng)
-    sets.c = {name: sets.c["shared"] for name in names}  # one output per set, whoever writes it
     contestants = {name: (lambda a, b, c, name=name: run(name, a, b, c)) for name in names}
     with stream:
-        for name in names:
+        reference = names[0]
+        sets.c[reference] = sets.c["shared"]
+        contestants[reference](sets.a[0], sets.b[0], sets.c[reference][0])
+        calls, typical = graph_calls([reference], contestants, sets, stream, target_us=target_us)
+        replay_us = calls * (typical + 2.0)  # the neighbour takes about 2 us
+
+        def cost_s(count: int, passes: int) -> float:  # a warm call, an upload and the rounds each, the neighbours' too
+            return ((count + 1) * (1 + passes) * replay_us + count * typical) * 1e-6
+
+        if cost_s(len(names), warmup_rounds + rounds) > budget_s:
+            warmup_rounds, rounds = 1, 3
+            fit = int((budget_s * 1e6 - 5 * replay_us) // (5 * replay_us + typical))  # cost_s(fit, 4) <= budget_s
+            names = names[:max(2, fit)]
+        sets.c = {name: sets.c["shared"] for name in names}  # one output per set, whoever writes it
+        for name in names[1:]:
             contestants[name](sets.a[0], sets.b[0], sets.c[name][0])
-        calls, _ = graph_calls(names, contestants, sets, stream)
         replay = graphs(names, contestants, sets, stream, calls)
         graph_rounds(names, replay=replay, calls=calls, budget_s=0.0, rng=rng, min_rounds=warmup_rounds)
         samples = graph_rounds(names, replay=replay, calls=calls, budget_s=0.0, rng=rng, min_rounds=rounds)

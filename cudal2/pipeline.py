@@ -11,7 +11,8 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
-from .baselines import COLUMN, NAMES as BASELINES, RETIMED, algo_json, build_baselines, choose_finalist
+from .baselines import (COLUMN, NAMES as BASELINES, PICKS, RETIMED, SESSION_BUDGET_S, SESSION_SOAK_S, algo_json,
+                        build_baselines, choose_finalist, cublaslt_version, pick_key, read_pick, write_pick)
 from .bench import INPUT_SETS, OFFLINE_METHODS, PROTOCOL, claimed
 from .candidate import Candidate
 from .compile import Build, Compiler
@@ -126,19 +127,29 @@ def timing_columns(timings: dict[str, dict[str, dict]], name: str, flops: int) -
 
 
 def measure_baselines(ctx: Context) -> list[dict[str, Any]]:
-    """cuBLAS, cuBLASLt autotuned and torch.matmul (when importable), in one worker call.
-    The problem's first such call also decides between cuBLASLt's finalists in its session
-    (baselines.finalists), where memory holds them; the choice holds for the context's later
-    jobs."""
+    """cuBLAS, cuBLASLt autotuned and torch.matmul (when importable), in one worker call of
+    about 2 s at most (a short session: baselines.SESSION_BUDGET_S). cuBLASLt's choice is
+    the one kept on this machine for the problem (baselines.PICKS), else the autotuning's,
+    decided between its finalists in this session (baselines.finalists) where memory holds
+    them, and then kept; it holds for the context's later jobs."""
+    picks = ctx.settings.cache_dir / PICKS
+    key = pick_key(ctx.problem, ctx.worker.environment or {}, cublaslt_version())
+    if ctx.problem not in ctx.cublaslt and (kept := read_pick(picks, key)):
+        ctx.cublaslt[ctx.problem] = kept
     first = ctx.problem not in ctx.cublaslt
     finalists = first and session_size(ctx) >= RETIMED - 1  # up to RETIMED - 1 more contestants
-    result = ctx.worker.request(ctx.job("baselines", finalists=finalists), ctx.settings.timeout)
+    job = ctx.job("baselines", finalists=finalists)
+    job["settings"] = {**job["settings"], "budget_s": min(job["settings"]["budget_s"], SESSION_BUDGET_S),
+                       "soak_s": SESSION_SOAK_S}
+    result = ctx.worker.request(job, ctx.settings.timeout)
     if result.get("status") != "ok":
         raise Cudal2Error(f"the library baselines failed ({result.get('status')}): {result.get('error')}")
     record, timings, errors = result.get("cublaslt"), result["timings"], result.get("errors", {})
     if first and record:
         record, timings, errors = choose_finalist(record, timings, errors)
-    if record:
+    if record and record != ctx.cublaslt.get(ctx.problem):  # new, or the kept one was stale
+        if key["gpu"] and key["cublaslt"]:
+            write_pick(picks, key, record)
         ctx.cublaslt[ctx.problem] = record
     rows = []
     for name, (err, tol) in errors.items():

@@ -84,11 +84,18 @@ GUARD = 1 << 16  # bytes of guard band before and after every buffer
 
 
 class Kernel:
-    """A compiled library implementing the kernel ABI, loaded with ctypes."""
+    """A compiled library implementing the kernel ABI, loaded with ctypes.
+
+    Every library of a process calls one CUDA runtime, whose last error (per thread) they
+    share: a kernel that reports its status through cudaGetLastError() would report one that
+    an earlier contestant left behind. So each call clears any pending error first, and an
+    error the call itself leaves pending is cleared too and kept in `left_error` (its name),
+    the first one a call of this library left: a fault of this kernel, never of the next.
+    """
 
     def __init__(self, path: str):
         self.lib = ctypes.CDLL(path)
-        self.gemm = self.lib.cudal2_gemm
+        self.gemm = self.lib.cudal2_gemm  # the bare call (the runtime's, cudal2/torch.py)
         self.gemm.restype = ctypes.c_int
         self.gemm.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int] * 3 + [
             ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
@@ -98,9 +105,54 @@ class Kernel:
             self._workspace.argtypes = [ctypes.c_int] * 3
         except AttributeError:
             self._workspace = None
+        self._runtime = cuda_runtime_of(self.lib)
+        self.left_error: str | None = None
+
+    def call(self, a: int, b: int, c: int, m: int, n: int, k: int, workspace: int, workspace_bytes: int,
+             stream: int) -> int:
+        """One contestant's call of cudal2_gemm (pointers as integers), its own errors apart
+        from others'; its return value."""
+        self._clear_error()
+        code = self.gemm(a, b, c, m, n, k, workspace, workspace_bytes, stream)
+        if (left := self._clear_error()) and self.left_error is None:
+            self.left_error = left
+        return code
+
+    def _clear_error(self) -> str | None:
+        """Clears the runtime's pending error; its name, or None when there was none."""
+        if self._runtime is None:
+            return None
+        code = self._runtime.cudaGetLastError()
+        return self._runtime.cudaGetErrorName(code).decode() if code else None
 
     def workspace_bytes(self, m: int, n: int, k: int) -> int:
         return int(self._workspace(m, n, k)) if self._workspace else 0
+
+
+class _DlInfo(ctypes.Structure):
+    _fields_ = [("dli_fname", ctypes.c_char_p), ("dli_fbase", ctypes.c_void_p),
+                ("dli_sname", ctypes.c_char_p), ("dli_saddr", ctypes.c_void_p)]
+
+
+def cuda_runtime_of(lib: ctypes.CDLL) -> ctypes.CDLL | None:
+    """The CUDA runtime library (libcudart) that a loaded library calls, found through its
+    dependencies; None if it calls none, or defines the runtime's functions itself (a
+    candidate's own code is not trusted to report errors)."""
+    try:
+        function = lib.cudaGetLastError
+    except AttributeError:
+        return None
+    info = _DlInfo()
+    if not ctypes.CDLL(None).dladdr(ctypes.cast(function, ctypes.c_void_p), ctypes.byref(info)) or not info.dli_fname:
+        return None
+    path = info.dli_fname.decode()
+    if not os.path.basename(path).startswith("libcudart."):
+        return None
+    runtime = ctypes.CDLL(path)  # already loaded: the same instance, the same last error
+    runtime.cudaGetLastError.restype = ctypes.c_int
+    runtime.cudaGetErrorName.restype = ctypes.c_char_p
+    runtime.cudaGetErrorName.argtypes = [ctypes.c_int]
+    return runtime
 
 
 class Numerics:
@@ -218,7 +270,7 @@ class Operands:
 
     def call(self, kernel: Kernel, stream, shape: Problem | None = None) -> int:
         p = shape or self.problem
-        return kernel.gemm(self.a.data.ptr, self.b.data.ptr, self.c.data.ptr, p.m, p.n, p.k,
+        return kernel.call(self.a.data.ptr, self.b.data.ptr, self.c.data.ptr, p.m, p.n, p.k,
                            self.ws.data.ptr, self.ws_bytes, stream.ptr)
 
     def reference(self):
@@ -262,11 +314,15 @@ DISTRIBUTIONS = ("normal", "uniform", "positive", "accumulation")
 
 
 def verify(kernel: Kernel, problem: Problem, stream, baseline, rng) -> Verdict:
-    """Runs every check on `kernel`; the first failure decides the verdict."""
+    """Runs every check on `kernel`; the first failure decides the verdict. A CUDA error its
+    calls left pending (kernel.left_error) is named in the reason of a verdict other than ok."""
     try:
-        return _verify(kernel, problem, stream, baseline, rng)
+        verdict = _verify(kernel, problem, stream, baseline, rng)
     except Rejected as r:
-        return Verdict(r.status, str(r))
+        verdict = Verdict(r.status, str(r))
+    if verdict.status != "ok" and kernel.left_error:
+        verdict.reason += f" (its calls left {kernel.left_error} pending: an error it did not report)"
+    return verdict
 
 
 def _checked_call(ops: Operands, kernel: Kernel, stream, rng, what: str, baseline,

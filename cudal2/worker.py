@@ -8,15 +8,19 @@ and the next request starts a fresh worker.
 
 from __future__ import annotations
 
-import multiprocessing
+import atexit
+import json
+import socket
+import subprocess
+import sys
 import time
+from multiprocessing.connection import Connection
 from typing import Any
 
 from .baselines import NAMES as BASELINES
 from .bench import STUDY_PROTOCOLS
 from .environment import gpu_temperature
 from .errors import Cudal2Error
-from .jobs import serve
 
 
 MIN_ROUNDS = 5  # rounds of each process's methods in a job, at least
@@ -57,14 +61,25 @@ class Worker:
         return self._graph.start()
 
     def request(self, job: dict[str, Any], timeout: float) -> dict[str, Any]:
-        """Runs one job; a dead or silent worker becomes a `crash` or `timeout` result.
+        """Runs one job (see _session); a dead or silent worker becomes a `crash` or `timeout`
+        result. After a session that failed (a check, a crash, a hang) or whose kernels left
+        a CUDA error pending, later sessions run in fresh processes: what one contestant
+        left behind (an error, a corrupted context or memory) never decides another's verdict."""
+        answer = self._session(job, timeout)
+        if answer.get("status") != "ok" or answer.get("left_errors"):
+            self._graph.close()
+            self._cupti.close()
+        return answer
+
+    def _session(self, job: dict[str, Any], timeout: float) -> dict[str, Any]:
+        """Runs one job.
 
         A session of the protocol (op "baselines", or "kernels": verified kernels beside the
         baselines): both processes set up (the graph process autotunes first), then each
         times rounds of its methods (at least MIN_ROUNDS) for the job's timing budget, which
         grows with its contestants beyond one kernel and the baselines, so that each gets the
-        rounds it would in a session of one kernel; after SOAK_S of untimed replays for calls
-        (cuBLAS's) of SOAK_US or more. For
+        rounds it would in a session of one kernel; after SOAK_S (or the job's `soak_s`) of
+        untimed replays for calls (cuBLAS's) of SOAK_US or more. For
         calls of INTERLEAVE_US or more, the two processes' rounds alternate (twice the budget
         in all), so that clock and thermal drift fall on both methods alike; then each
         returns its methods' timings. A study protocol's job runs in the graph process alone."""
@@ -81,7 +96,8 @@ class Worker:
         short = typical < INTERLEAVE_US
         temperature = None
         if typical >= SOAK_US:
-            if (answer := self._graph.request({"op": "soak", "seconds": SOAK_S}, timeout)).get("status") != "ok":
+            soak = {"op": "soak", "seconds": job["settings"].get("soak_s", SOAK_S)}
+            if (answer := self._graph.request(soak, timeout)).get("status") != "ok":
                 return {**first, **answer, "timings": {}}
             temperature = gpu_temperature(self.device)  # what the clock at the power cap depends on
         for turn in ([(c,) for c in children] if short else [children]):
@@ -92,17 +108,19 @@ class Worker:
                     if (answer := child.request({"op": "round"}, timeout)).get("status") != "ok":
                         return {**first, **answer, "timings": {}}
                 rounds += 1
-        timings, rejected = {}, {}
+        timings, rejected, left = {}, {}, {}
         for child in children:
             if (answer := child.request({"op": "finish"}, timeout)).get("status") != "ok":
                 return {**first, **answer, "timings": {}}
             timings.update(answer["timings"])
             rejected.update(answer.get("rejected", {}))
-        return {**first, "timings": timings, "rejected": rejected, "temperature_c": temperature}
+            left.update(answer.get("left_errors", {}))
+        return {**first, "timings": timings, "rejected": rejected, "left_errors": left, "temperature_c": temperature}
 
     def measure(self, job: dict[str, Any], libraries: list[str], timeout: float) -> list[dict[str, Any]]:
-        """Verifies each kernel library alone (a crash or a hang costs that kernel, and the
-        next request starts a fresh process), then times the verified ones together, in one
+        """Verifies each kernel library alone (a fault costs that kernel: after a crash, a hang,
+        a verdict other than ok or unsupported, or a CUDA error its calls left pending, the
+        next kernel is verified in a fresh process), then times the verified ones together, in one
         session of the protocol beside the baselines (`job`: the problem's, op "kernels"):
         one result per library, verify's verdict with the kernel's timings and the
         baselines' of its session under "kernel" and their names. A session of several that
@@ -110,7 +128,11 @@ class Worker:
         be another's victim (a kernel that writes into cuBLAS's output, say), so each kernel
         left is timed alone, and a session of one answers for its kernel. A kernel below the
         physical limit is rejected at the finish, by its own times."""
-        results = [self._graph.request({**job, "op": "kernel", "library": library}, timeout) for library in libraries]
+        results = []
+        for library in libraries:
+            results.append(self._graph.request({**job, "op": "kernel", "library": library}, timeout))
+            if results[-1].get("status") not in ("ok", "unsupported") or results[-1].get("left_error"):
+                self._graph.close()
         if job["settings"].get("protocol") in STUDY_PROTOCOLS:
             return results
         pending = [i for i, result in enumerate(results) if result.get("status") == "ok"]
@@ -160,26 +182,45 @@ def _own_timings(timings: dict[str, dict[str, dict]], name: str) -> dict[str, di
             for method, entries in timings.items()}
 
 
+# The worker process's start: the parent's import path, then cudal2.jobs.main. A fresh
+# interpreter, not multiprocessing's spawn, which re-runs the caller's main module in the
+# child (a script calling cudal2.bench() at its top level then runs it again, and dies).
+_START = "import json, sys; sys.path[:] = json.loads(sys.argv[1]); from cudal2.jobs import main; main(*sys.argv[2:])"
+_LIVE: set[subprocess.Popen] = set()  # killed at exit, so that no worker outlives its parent
+
+
+@atexit.register
+def _kill_live() -> None:
+    for proc in list(_LIVE):
+        proc.kill()
+
+
 class _Child:
     """One worker process (started on first use); `cupti`: whether it loads CUPTI."""
 
     def __init__(self, device: int, cupti: bool):
         self.device, self.cupti = device, cupti
-        self._ctx = multiprocessing.get_context("spawn")
-        self._proc = None
+        self._proc: subprocess.Popen | None = None
         self._conn = None
+        self._closed_code: int | None = None  # the exit code of the last process closed
         self.environment: dict[str, Any] | None = None
 
     def _start(self) -> None:
-        parent, child = self._ctx.Pipe()
-        self._proc = self._ctx.Process(target=serve, args=(child, self.device, self.cupti), daemon=True)
-        self._proc.start()
-        child.close()
-        self._conn = parent
-        if not parent.poll(300):
+        ours, theirs = socket.socketpair()
+        with theirs:
+            self._proc = subprocess.Popen(
+                [sys.executable, "-c", _START, json.dumps(sys.path), str(theirs.fileno()), str(self.device),
+                 str(int(self.cupti))], pass_fds=(theirs.fileno(),), stdin=subprocess.DEVNULL)
+        _LIVE.add(self._proc)
+        self._conn = Connection(ours.detach())
+        if not self._conn.poll(300):
             self.close()
             raise Cudal2Error("the GPU worker did not start within 300 s")
-        hello = parent.recv()
+        try:
+            hello = self._conn.recv()
+        except EOFError:
+            self.close()
+            raise Cudal2Error("the GPU worker exited as it started (its error is printed above)") from None
         if "fatal" in hello:
             self.close()
             raise Cudal2Error(hello["fatal"])
@@ -187,7 +228,7 @@ class _Child:
 
     @property
     def started(self) -> bool:
-        return self._proc is not None and self._proc.is_alive()
+        return self._proc is not None and self._proc.poll() is None
 
     def start(self) -> dict[str, Any]:
         """Starts the worker if needed; returns the device description."""
@@ -205,8 +246,8 @@ class _Child:
                 return {"status": "timeout", "error": f"no result within {timeout:.0f} s (hang?)"}
             result = self._conn.recv()
         except (EOFError, BrokenPipeError, ConnectionResetError):
-            code = self._proc.exitcode if self._proc else None
             self.close()
+            code = self._closed_code
             return {"status": "crash", "error": f"worker process died (exit code {code})"}
         if result.get("status") == "crash":
             self.close()
@@ -216,13 +257,13 @@ class _Child:
 
     def close(self) -> None:
         if self._proc is not None:
-            if self._proc.is_alive():
-                try:
-                    self._conn.send(None)
-                except OSError:
-                    pass
-                self._proc.join(2)
-            if self._proc.is_alive():
-                self._proc.kill()
-                self._proc.join(5)
+            try:
+                self._conn.send(None)  # a worker that listens exits
+                self._proc.wait(2)
+            except (OSError, subprocess.TimeoutExpired):
+                self._proc.kill()  # a hung or dead one
+                self._proc.wait(5)
+            self._conn.close()
+            _LIVE.discard(self._proc)
+            self._closed_code = self._proc.returncode
         self._proc = self._conn = None
