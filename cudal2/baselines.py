@@ -28,10 +28,8 @@ from typing import Any
 from .compile import Compiler, find_nvcc
 from .errors import Cudal2Error
 from .problem import Problem
+from .protocol import BASELINES as NAMES
 
-NAMES = ("cuBLAS", "cuBLASLt", "torch.matmul")
-# Leaderboard column prefix of each baseline (cublas_kernel_us, cublaslt_graph_us, ...).
-COLUMN = {"cuBLAS": "cublas", "cuBLASLt": "cublaslt", "torch.matmul": "torch"}
 LT_ALGOS = 32  # heuristic results timed by the autotuning
 LT_FIELDS = ("algo", "tile", "stages", "splitk", "reduction", "swizzle", "custom", "cluster")
 

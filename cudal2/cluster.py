@@ -68,7 +68,7 @@ def tune_task(problem: dict[str, Any], options: dict[str, Any], settings: Settin
             api.optimize([Problem(**problem)], settings=local, **options)
         finally:
             me.daemon = daemon
-        rows = board.read(bench=None)
+        rows = board.read(protocol=None)
         rows = rows[~rows["run_id"].isin(seeded)]
         sources = {h: board.source(h) for h in set(rows["source_hash"].dropna())}
         rows = rows.astype(object).where(rows.notna(), None)  # missing values as None, not NaN

@@ -13,7 +13,6 @@ import traceback
 from typing import Any
 
 from .baselines import FINALIST, abi_call, library_calls
-from .bench import STUDY_PROTOCOLS, study_job
 from .problem import Problem
 from .verify import UNIT_ROUNDOFF, poison_output
 
@@ -73,7 +72,7 @@ def _methods(job: dict[str, Any]) -> tuple[str, ...]:
 
 
 def _kernel_job(job: dict[str, Any], environment: dict[str, Any], timer) -> dict[str, Any]:
-    """Verifies one kernel (graph process); a study protocol's job then times it as it did."""
+    """Verifies one kernel (graph process)."""
     import cupy
 
     from .baselines import cublas_gemm
@@ -87,8 +86,6 @@ def _kernel_job(job: dict[str, Any], environment: dict[str, Any], timer) -> dict
         verdict = verify(kernel, problem, stream, cublas_gemm(problem, stream), rng)
         result = {"status": verdict.status, "error": verdict.reason,
                   "max_error": verdict.max_error, "tolerance": verdict.tolerance}
-        if verdict.status == "ok" and job["settings"].get("protocol") in STUDY_PROTOCOLS:
-            return {**result, **study_job(job, environment, stream, rng, kernel)}
     return result
 
 
@@ -220,8 +217,6 @@ def _baselines_job(job: dict[str, Any], environment: dict[str, Any], timer) -> d
     num = Numerics(problem.dtype)
     _close_session()
     with stream:
-        if job["settings"].get("protocol") in STUDY_PROTOCOLS:
-            return {"status": "ok", **study_job(job, environment, stream, rng, None)}
         run, record = library_calls(problem, job, stream, rng)
         errors = {}
         if job.get("phase") != "cupti":

@@ -26,7 +26,7 @@ from typing import Any
 
 import pandas as pd
 
-from .bench import TIE
+from .protocol import TIE
 from .compile import Compiler, flags
 from .errors import Cudal2Error
 from .leaderboard import Leaderboard, best
@@ -38,7 +38,7 @@ VERSION_KEYS = ("gpu", "driver")  # a mismatch in any: every call falls back
 # a caller's own runtime may differ on the same machine (torch 2.11's 13.0 beside CuPy's 13.2
 # on the H200) and does not reach the kernels, which carry nvcc's; the driver pins the rest.
 BUILD_KEYS = ("cuda", "nvcc", "cutlass", "arch")
-# The lowest claim exported: below it the library call is faster or ties (bench.TIE; a 1.00x
+# The lowest claim exported: below it the library call is faster or ties (protocol.TIE; a 1.00x
 # kernel dispatched in the Llama MLP example read 0.96x inside the block), so the op runs the
 # library call instead.
 MIN_SPEEDUP = 1.0 + TIE
@@ -164,7 +164,7 @@ def export_best(leaderboard: Leaderboard, results: Path, row: dict[str, Any], mo
         f"// cudal2 best kernel for C[{p.m},{p.n}] = A[{p.m},{p.k}] @ {'B' if p.layout == 'nn' else 'W^T'} "
         f"({p.dtype}, layout {p.layout}, fp32 accumulation)",
         f"// speedup {row[f'speedup_{mode}']:.3f}x over the fastest library call, {row.get('baseline')} "
-        f"({row[f'baseline_{mode}_us']:.2f} us -> {row[f'{mode}_us']:.2f} us, {mode}, bench {row.get('bench')}) "
+        f"({row[f'baseline_{mode}_us']:.2f} us -> {row[f'{mode}_us']:.2f} us, {mode}, protocol {row.get('protocol')}) "
         f"on {row.get('gpu')} ({row.get('arch')})",
         f"// measured {row['time'] if 'time' in row else datetime.now(timezone.utc)}; {origin}",
         f"// build (the flags cudal2 compiles with): {shlex.join(['nvcc', *flags(row.get('arch') or 'sm_90a'), 'kernel.cu', '-o', 'kernel.so'])}",

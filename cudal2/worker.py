@@ -12,8 +12,7 @@ import multiprocessing
 import time
 from typing import Any
 
-from .baselines import NAMES as BASELINES
-from .bench import STUDY_PROTOCOLS
+from .protocol import BASELINES
 from .environment import gpu_temperature
 from .errors import Cudal2Error
 from .jobs import serve
@@ -67,9 +66,9 @@ class Worker:
         (cuBLAS's) of SOAK_US or more. For
         calls of INTERLEAVE_US or more, the two processes' rounds alternate (twice the budget
         in all), so that clock and thermal drift fall on both methods alike; then each
-        returns its methods' timings. A study protocol's job runs in the graph process alone."""
+        returns its methods' timings."""
         first = self._graph.request(job, timeout)
-        if job["settings"].get("protocol") in STUDY_PROTOCOLS or first.get("status") != "ok":
+        if first.get("status") != "ok":
             return first
         second = self._cupti.request({**job, "phase": "cupti", "cublaslt": first.get("cublaslt")}, timeout)
         if second.get("status") != "ok":
@@ -111,8 +110,6 @@ class Worker:
         left is timed alone, and a session of one answers for its kernel. A kernel below the
         physical limit is rejected at the finish, by its own times."""
         results = [self._graph.request({**job, "op": "kernel", "library": library}, timeout) for library in libraries]
-        if job["settings"].get("protocol") in STUDY_PROTOCOLS:
-            return results
         pending = [i for i, result in enumerate(results) if result.get("status") == "ok"]
         alone = False
         while pending:

@@ -14,7 +14,7 @@ import pytest
 from typer.testing import CliRunner
 
 from cudal2.baselines import cublas_location
-from cudal2.bench import PROTOCOL
+from cudal2.protocol import PROTOCOL
 from cudal2.candidate import Candidate, Invalid
 from cudal2.cli import app
 from cudal2.errors import Cudal2Error
@@ -116,7 +116,7 @@ def test_loop_measures_batches_records_rows_and_exports_the_best(tmp_path, compi
     assert 'extern "C" int cudal2_gemm(' in exported
     recorded = ctx.leaderboard.read()
     assert len(recorded) == 6  # every row recorded as measured
-    assert set(recorded["bench"]) == {PROTOCOL}  # and how it was timed
+    assert set(recorded["protocol"]) == {PROTOCOL}  # and how it was timed
     assert len(list(ctx.leaderboard.parts.glob("*.parquet"))) == 3  # one part per batch (and the baselines)
     assert out.compile_s > 0 and out.wall_s >= out.gpu_s
 

@@ -12,7 +12,7 @@ import typer
 from .. import api
 from .. import render as render_stage
 from ..candidate import Candidate
-from ..compile import Compiler, find_nvcc
+from ..compile import Compiler, find_nvcc, first_error_line
 from ..config import load_settings
 from ..errors import Cudal2Error
 from ..leaderboard import Leaderboard
@@ -68,7 +68,7 @@ def compile_cmd(
         show_table(columns, [[fmt(r[c]) for c in columns] for r in records])
         for r in records:
             if r["error"]:
-                err_console.print(f"{r['kernel']}: {api.first_error_line(r['error']) if r['error'].strip() else r['status']}")
+                err_console.print(f"{r['kernel']}: {first_error_line(r['error']) if r['error'].strip() else r['status']}")
     if any(b.status != "ok" for b in builds):
         raise typer.Exit(1)
 
@@ -98,7 +98,7 @@ def prebuild(
         return
     if settings.arch is None:
         raise Cudal2Error("prebuild needs --arch (e.g. sm_90a) or CUDAL2_ARCH")
-    measured = with_shipped(Leaderboard(settings.results).read(bench=None))
+    measured = with_shipped(Leaderboard(settings.results).read(protocol=None))
     entries = prebuilt.kernel_set(render_stage.arch_cc(settings.arch), measured)
     if not entries:
         raise Cudal2Error(f"no measurements of a {settings.arch} GPU to choose a kernel set from")
