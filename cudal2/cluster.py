@@ -26,9 +26,11 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from . import api
 from .config import Settings
+from .environment import describe_device
 from .errors import Cudal2Error
-from .leaderboard import Leaderboard, compact
+from .leaderboard import COLUMNS, Leaderboard, compact
 from .problem import Problem
 
 UNIFORM_KEYS = ("gpu", "driver", "max_sm_clock_mhz")  # must be the same on every worker
@@ -36,8 +38,6 @@ UNIFORM_KEYS = ("gpu", "driver", "max_sm_clock_mhz")  # must be the same on ever
 
 def gpu_facts() -> dict[str, Any]:
     """This worker's GPU (device 0 of what it sees), as describe_device reports it."""
-    from .environment import describe_device
-
     facts = describe_device(0)
     return {**{k: facts.get(k) for k in (*UNIFORM_KEYS, "sm_clock_mhz", "cc")}, "host": socket.gethostname()}
 
@@ -49,8 +49,6 @@ def tune_task(problem: dict[str, Any], options: dict[str, Any], settings: Settin
     import multiprocessing
 
     import pyarrow.parquet as pq
-
-    from . import api
 
     # A Dask worker's process is a daemon, and multiprocessing lets a daemon start no process
     # of its own: the GPU worker's two (cudal2/worker.py), which this task starts and stops.
@@ -123,7 +121,7 @@ def optimize_on_cluster(problems: list[Problem], address: str | Any, *, settings
         futures = {client.submit(task, dataclasses.asdict(p), dict(options or {}), settings, seed,
                                  resources={"GPU": 1}, pure=False, key=f"cudal2-tune-{p}-{i}"): p
                    for i, p in enumerate(problems)}
-        done = []
+        done, columns = [], set(COLUMNS)
         for future in as_completed(futures):
             if future.status == "error":  # one shape's failure is that shape's, not the run's
                 result = {"problem": str(futures[future]), "error": repr(future.exception()), "rows": [], "sources": {}}
@@ -134,7 +132,7 @@ def optimize_on_cluster(problems: list[Problem], address: str | Any, *, settings
             result = future.result()
             for source in result["sources"].values():
                 board.store_source(source)
-            board.append([{k: v for k, v in row.items() if k in _columns()} for row in result["rows"]])
+            board.append([{k: v for k, v in row.items() if k in columns} for row in result["rows"]])
             done.append(result)
             if on_done:
                 on_done(futures[future], result)
@@ -143,8 +141,3 @@ def optimize_on_cluster(problems: list[Problem], address: str | Any, *, settings
         if client is not address:
             client.close()
 
-
-def _columns() -> set[str]:
-    from .leaderboard import COLUMNS
-
-    return set(COLUMNS)

@@ -12,17 +12,17 @@ import random
 import traceback
 from typing import Any
 
-from .baselines import FINALIST, abi_call, library_calls
+from .baselines import FINALIST, abi_call, cublas_gemm, library_calls
+from .environment import describe_device
+from .measure import CuptiTimer, Session
 from .problem import Problem
-from .verify import UNIT_ROUNDOFF, poison_output
+from .verify import (UNIT_ROUNDOFF, Kernel, Numerics, Operands, Rejected, compare, physical_floor_us, poison_output,
+                     seed_from_os, verify)
 
 
 def serve(conn, device: int, cupti: bool) -> None:
     try:
         import cupy
-
-        from .environment import describe_device
-        from .measure import CuptiTimer
 
         if cupy.cuda.runtime.getDeviceCount() <= device:
             raise RuntimeError(f"device {device} does not exist")
@@ -75,9 +75,6 @@ def _kernel_job(job: dict[str, Any], environment: dict[str, Any], timer) -> dict
     """Verifies one kernel (graph process)."""
     import cupy
 
-    from .baselines import cublas_gemm
-    from .verify import Kernel, seed_from_os, verify
-
     problem = Problem(**job["problem"])
     rng = random.Random(seed_from_os())
     stream = cupy.cuda.Stream(non_blocking=True)
@@ -93,8 +90,6 @@ def _kernels_job(job: dict[str, Any], environment: dict[str, Any], timer) -> dic
     """Opens this process's session of verified kernels (job["kernels"]: name, library,
     tolerance) beside the baselines."""
     import cupy
-
-    from .verify import Kernel, Rejected, seed_from_os
 
     problem = Problem(**job["problem"])
     rng = random.Random(seed_from_os())
@@ -121,8 +116,6 @@ def _open(kind: str, job: dict[str, Any], run: dict, problem: Problem, **timing:
     """This process's timing session of the job (its phase's methods), kept for the rounds
     and the finish that follow; `kind`: "kernels" (their contestants the suspects) or
     "baselines". The job closed the earlier session first (_close_session)."""
-    from .measure import Session
-
     suspects = frozenset(name for name in run if name.startswith("kernel:")) if kind == "kernels" else frozenset()
     session = Session(run, problem, settings=job["settings"], methods=_methods(job), suspects=suspects, **timing)
     _SESSION.update(session=session, kind=kind, problem=problem)
@@ -131,8 +124,6 @@ def _open(kind: str, job: dict[str, Any], run: dict, problem: Problem, **timing:
 
 def _round_job(job: dict[str, Any], environment: dict[str, Any], timer) -> dict[str, Any]:
     """One round of the open session's methods."""
-    from .verify import Rejected
-
     try:
         _SESSION["session"].round()
     except Rejected as r:
@@ -149,8 +140,6 @@ def _soak_job(job: dict[str, Any], environment: dict[str, Any], timer) -> dict[s
 def _finish_job(job: dict[str, Any], environment: dict[str, Any], timer) -> dict[str, Any]:
     """The open session's timings, and the kernels it rejects (`rejected`: name -> status,
     reason): one faster than this GPU's physical limit is a cheat."""
-    from .verify import Rejected, physical_floor_us
-
     session, problem = _SESSION["session"], _SESSION["problem"]
     try:
         timings = session.finish()
@@ -208,8 +197,6 @@ def _rejected(r, suspects: frozenset[str]) -> dict[str, Any]:
 
 def _baselines_job(job: dict[str, Any], environment: dict[str, Any], timer) -> dict[str, Any]:
     import cupy
-
-    from .verify import Numerics, Operands, compare, seed_from_os
 
     problem = Problem(**job["problem"])
     rng = random.Random(seed_from_os())

@@ -13,6 +13,7 @@ from typing import Annotated, Optional
 
 import typer
 
+from .. import __version__
 from ..candidate import Candidate
 from ..errors import Cudal2Error
 from ..problem import DTYPES, Problem
@@ -24,8 +25,6 @@ app = typer.Typer(add_completion=False, no_args_is_help=True,
 
 def _print_version(value: bool) -> None:
     if value:
-        from .. import __version__
-
         print(f"cudal2 {__version__}")
         raise typer.Exit()
 

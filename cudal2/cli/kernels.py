@@ -9,16 +9,17 @@ from typing import Annotated, Optional
 
 import typer
 
-from .. import api
+from .. import api, prebuilt
 from .. import render as render_stage
 from ..candidate import Candidate
 from ..compile import Compiler, find_nvcc, first_error_line
 from ..config import load_settings
 from ..errors import Cudal2Error
-from ..leaderboard import Leaderboard
+from ..leaderboard import Leaderboard, with_shipped
 from ..problem import Problem
 from ..tables import err_console, fmt, show_table
-from . import Arch, Dtype, Json, Kernels, Layout, Params, Results, TemplateOpt, app, cli_errors, parse_params, read_kernel_file
+from . import (Arch, Dtype, Json, Kernels, Layout, Params, Results, TemplateOpt, app, cli_errors, parse_params,
+               read_kernel_file)
 
 @app.command("compile")
 @cli_errors
@@ -88,9 +89,6 @@ def prebuild(
     """Compile the prebuilt kernel set of an architecture into the kernel cache (no GPU
     needed): every configuration within 2% of the best on a measured problem, plus the cost
     model's best per region. What is cached already is skipped, so a stopped build resumes."""
-    from .. import prebuilt
-    from ..leaderboard import with_shipped
-
     settings = load_settings({"arch": arch, "jobs": jobs, "results": results})
     if unpack is not None:
         added = prebuilt.unpack(unpack, settings.cache_dir)

@@ -10,11 +10,11 @@ import pandas as pd
 import typer
 
 from .. import api
-from ..protocol import EARLIER_PROTOCOLS, PROTOCOL, PROTOCOLS
 from ..config import load_settings
 from ..errors import Cudal2Error
-from ..leaderboard import STATUSES, Leaderboard, best, select
-from ..runtime import MIN_SPEEDUP
+from ..leaderboard import STATUSES, Leaderboard, best, contributions, select
+from ..protocol import EARLIER_PROTOCOLS, PROTOCOL, PROTOCOLS
+from ..runtime import MIN_SPEEDUP, DispatchTable, export_best
 from ..shapes import shape_set
 from ..tables import SHAPE_COLUMNS, emit_frame, fmt, jsonable, report_shapes, show_table
 from . import Json, ModelOpt, Results, TokensOpt, app, cli_errors
@@ -80,7 +80,6 @@ def leaderboard_cmd(
         df = df[df["gpu"].fillna("").str.contains(gpu, case=False, regex=False)]
     keys = ["gpu", "m", "n", "k", "dtype", "layout"]
     if proposers:
-        from ..leaderboard import contributions
 
         emit_frame(contributions(df, settings.results), format)
         return
@@ -105,8 +104,6 @@ def leaderboard_cmd(
 
 def export_rows(board: Leaderboard, results: Path, rows: pd.DataFrame) -> None:
     """Each best-kernel row as a self-contained .cu file (stderr says where)."""
-    from ..runtime import export_best
-
     paths = [export_best(board, results, row) for row in rows.to_dict("records") if row.get("source_hash")]
     typer.echo(f"exported {len(paths)} kernel(s) to {results / 'best'}", err=True)
 
@@ -134,8 +131,6 @@ def check(
     if library is not None and (shapes is not None or model is not None):
         raise Cudal2Error("--library checks the kernels a library serves: drop --shapes and --model")
     if library is not None:
-        from ..runtime import DispatchTable
-
         DispatchTable.load(library)  # not a library: one line, before the GPU is touched
     settings = load_settings({"results": results})
     outcome = api.check(shape_set(shapes, model, tokens, dtype), fail_under=threshold, settings=settings,

@@ -131,19 +131,9 @@ def optimize(
         if proposer != "search" or gpus or template or param:
             raise Cudal2Error("--cluster runs the search proposer on every worker's GPU: drop --proposer, --gpus, "
                               "--template and --param")
-        def done(problem, result) -> None:
-            best = (best_row(result["rows"]) or {}).get("speedup_offline")
-            err_console.print(f"{problem} on {result.get('host', '?')}: " + (
-                result["error"] if result.get("error") else f"{len(result['rows'])} rows, best {fmt(best, 3)}"))
-
-        finished = optimize_on_cluster(problems, cluster, settings=settings, on_done=done, options={
+        _tune_on_cluster(problems, cluster, settings, {
             "iterations": iterations, "batch": batch, "time_budget": time_budget, "patience": patience,
             "seed": seed, "mode": mode, "remeasure": remeasure})
-        failed = [f for f in finished if f.get("error")]
-        print(f"{len(finished) - len(failed)} of {len(problems)} shapes tuned on the cluster; rows in {settings.results}"
-              f"; `cudal2 leaderboard --shapes` reports them")
-        if failed:
-            raise typer.Exit(1)
         return
     llm_settings = None
     if proposer != "search":
@@ -153,21 +143,40 @@ def optimize(
                              patience=patience, seed=seed, llm_settings=llm_settings, replay=replay,
                              template=template, grid=parse_params(param), mode=mode, remeasure=remeasure,
                              settings=settings, gpus=gpu_indices(gpus), on_event=on_event)
-    outcomes = [t.outcome for t in tuned]
-    env, run_id = tuned[0].environment, tuned[0].run_id
-    summaries = [{**optimize_summary(p, env, o, run_id), "llm_tokens_run": tuned[0].llm_tokens}
-                 for p, o in zip(problems, outcomes)]
-    if not json_out:
+    _print_tuned(tuned, mode, json_out, one_shape=shapes is None and model is None)
+
+
+def _tune_on_cluster(problems: list[Problem], cluster: str, settings, options: dict[str, Any]) -> None:
+    """optimize --cluster: each shape's line as its task ends, then the count tuned."""
+    def done(problem, result) -> None:
+        best = (best_row(result["rows"]) or {}).get("speedup_offline")
+        err_console.print(f"{problem} on {result.get('host', '?')}: " + (
+            result["error"] if result.get("error") else f"{len(result['rows'])} rows, best {fmt(best, 3)}"))
+
+    finished = optimize_on_cluster(problems, cluster, settings=settings, on_done=done, options=options)
+    failed = [f for f in finished if f.get("error")]
+    print(f"{len(finished) - len(failed)} of {len(problems)} shapes tuned on the cluster; rows in {settings.results}"
+          f"; `cudal2 leaderboard --shapes` reports them")
+    if failed:
+        raise typer.Exit(1)
+
+
+def _print_tuned(tuned: list[api.TuneResult], mode: str, json_out: bool, one_shape: bool) -> None:
+    """Each shape's summary (and a shape set's), as text or JSON; exit 1 if a shape failed."""
+    problems, outcomes = [t.problem for t in tuned], [t.outcome for t in tuned]
+    env, run_id, tokens = tuned[0].environment, tuned[0].run_id, tuned[0].llm_tokens
+    summaries = [{**optimize_summary(p, env, o, run_id), "llm_tokens_run": tokens} for p, o in zip(problems, outcomes)]
+    if json_out:
+        print(json.dumps(summaries[0] if one_shape else
+                         {"shapes": summaries, "summary": set_summary(summaries, mode)}, indent=1, default=str))
+    else:
         for problem, outcome in zip(problems, outcomes):
             if len(problems) > 1:
                 print(f"{problem}:")
             print_optimize_summary(outcome, mode)
-        if tuned[0].llm_tokens is not None:
-            print(f"LLM tokens this run: {tuned[0].llm_tokens}")
-    if json_out:
-        print(json.dumps(summaries[0] if shapes is None and model is None else
-                         {"shapes": summaries, "summary": set_summary(summaries, mode)}, indent=1, default=str))
-    elif len(summaries) > 1:
+        if tokens is not None:
+            print(f"LLM tokens this run: {tokens}")
+    if not json_out and len(summaries) > 1:
         total = set_summary(summaries, mode)
         print(f"{total['tuned']} of {total['shapes']} shapes with a verified kernel; speedup over the fastest library "
               f"call: geometric mean {fmt(total['geomean_speedup'], 3)}, minimum {fmt(total['min_speedup'], 3)}; "
