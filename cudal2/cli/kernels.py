@@ -18,7 +18,7 @@ from ..errors import Cudal2Error
 from ..leaderboard import Leaderboard, with_shipped
 from ..problem import Problem
 from ..tables import err_console, fmt, show_table
-from . import (Arch, Dtype, Json, Kernels, Layout, Params, Results, TemplateOpt, app, cli_errors, parse_params,
+from .options import (Arch, Dtype, Json, Kernels, Layout, Params, Results, TemplateOpt, app, cli_errors, parse_params,
                read_kernel_file)
 
 @app.command("compile")

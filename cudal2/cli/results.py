@@ -17,7 +17,7 @@ from ..protocol import EARLIER_PROTOCOLS, PROTOCOL, PROTOCOLS
 from ..runtime import MIN_SPEEDUP, DispatchTable, export_best
 from ..shapes import shape_set
 from ..tables import SHAPE_COLUMNS, emit_frame, fmt, jsonable, report_shapes, show_table
-from . import Json, ModelOpt, Results, TokensOpt, app, cli_errors
+from .options import Json, ModelOpt, Results, TokensOpt, app, cli_errors
 
 @app.command("leaderboard")
 @cli_errors

@@ -17,7 +17,7 @@ from ..problem import DTYPES, Problem
 from ..protocol import PROTOCOL, best_row
 from ..tables import (console, err_console, fmt, jsonable, optimize_summary, print_bench_table, print_optimize_summary,
                       progress_display, set_summary, verdict_line)
-from . import (Arch, Dtype, Json, K, Kernels, Layout, M, ModelOpt, N, Params, Results, ShapesOpt, TemplateOpt,
+from .options import (Arch, Dtype, Json, K, Kernels, Layout, M, ModelOpt, N, Params, Results, ShapesOpt, TemplateOpt,
                TokensOpt, app, cli_errors, parse_params, problems_of, read_kernel_file)
 
 @app.command()
