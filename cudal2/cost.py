@@ -15,9 +15,9 @@ from typing import Any
 
 import pandas as pd
 
-from .protocol import PROTOCOL
 from .environment import dram_bandwidth, tensor_peak
 from .problem import Problem
+from .protocol import PROTOCOL
 from .render import Template, load_templates, recorded_params
 
 LAUNCH_US = 2.0  # a launch and its tail, measured: cuBLAS 64^3 takes ~2-3 us back to back

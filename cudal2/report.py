@@ -13,7 +13,7 @@ from pathlib import Path
 import pandas as pd
 
 from .environment import tensor_peak
-from .leaderboard import BASELINES, best
+from .protocol import BASELINES, best
 from .problem import Problem
 from .tables import speedup_summary, verdict_line
 

@@ -13,9 +13,9 @@ import pandas as pd
 from rich.console import Console
 from rich.table import Table
 
-from .protocol import TIE
-from .leaderboard import best, select
+from .leaderboard import select
 from .problem import Problem
+from .protocol import TIE, best
 
 console = Console(highlight=False)
 err_console = Console(stderr=True, highlight=False)

@@ -486,6 +486,36 @@ def test_a_kernel_measured_ahead_of_its_batch_is_recorded_in_the_batch_s_one_par
     assert sorted(kernels[~kernels.isin(BASELINES)]) == sorted([str(quick), str(other)])
 
 
+def test_the_proposer_is_shown_as_pending_only_what_is_not_measured_yet(tmp_path):
+    """A kernel measured ahead of its batch (while the other compiles) is measured, not
+    pending, when the next batch is proposed; and once its batch is measured no candidate of
+    it is shown as pending again."""
+    from cudal2.compile import Compiler
+
+    compiler = Compiler("sm_90a", tmp_path / "cache")
+    problem = Problem(256, 256, 256)
+    quick = template_candidate("sm80_mma", {}, 90)
+    compiler.compile(render(quick, problem))  # built: measured at once, ahead of its batch
+    other = template_candidate("sm80_mma", {"stages": "3"}, 90)
+    third = template_candidate("sm80_mma", {"stages": "2"}, 90)
+    seen = []
+
+    class Recording(Scripted):
+        def propose(self, problem, history, n):
+            seen.append(list(history))
+            return super().propose(problem, history, n)
+
+    out = optimize(context(tmp_path, compiler, StandInWorker()), Recording([quick, other], [third], []),
+                   Budget(iterations=3, batch=2, patience=None))
+    assert out.stopped == "the proposer has nothing new" and len(seen) == 3
+    for history in seen:
+        measured = {r["kernel"] for r in history if r["status"] != "pending"}
+        pending = {r["kernel"] for r in history if r["status"] == "pending"}
+        assert not measured & pending, (measured & pending)
+    assert {r["kernel"] for r in seen[1] if r["status"] == "pending"} == {str(other)}  # compiled ahead, not yet measured
+    assert not [r for r in seen[2] if r["status"] == "pending" and r["kernel"] != str(third)]
+
+
 def test_a_kernel_built_while_its_batch_compiles_is_measured_at_once(tmp_path):
     """Until a kernel is verified, each build of the compiling batch is measured as soon as
     it is there: the built sm80_mma kernel is measured within the 3 s budget while the
