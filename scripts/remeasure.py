@@ -49,7 +49,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from cudal2.baselines import build_baselines  # noqa: E402
-from cudal2.bench import PROTOCOL  # noqa: E402
+from cudal2.protocol import PROTOCOL  # noqa: E402
 from cudal2.compile import Compiler  # noqa: E402
 from cudal2.config import load_settings  # noqa: E402
 from cudal2.environment import gpu_temperature  # noqa: E402
