@@ -45,7 +45,7 @@ MIN_SPEEDUP = 1.0 + TIE
 
 
 @dataclass(frozen=True)
-class Entry:
+class DispatchEntry:
     """One tuned problem's kernel."""
 
     m: int
@@ -62,13 +62,13 @@ class Entry:
 class DispatchTable:
     """Picks the kernel for a call (see the module docstring)."""
 
-    def __init__(self, entries: list[Entry], versions: dict[str, Any], root: Path | None = None,
+    def __init__(self, entries: list[DispatchEntry], versions: dict[str, Any], root: Path | None = None,
                  library_call: frozenset[tuple] = frozenset()):
         self.entries = entries
         self.versions = versions
         self.root = root
         self.library_call = library_call  # (m, n, k, dtype, layout) measured faster by the library
-        self._by_shape: dict[tuple, list[Entry]] = {}
+        self._by_shape: dict[tuple, list[DispatchEntry]] = {}
         for entry in entries:
             self._by_shape.setdefault((entry.n, entry.k, entry.dtype, entry.layout), []).append(entry)
 
@@ -79,7 +79,7 @@ class DispatchTable:
             raise Cudal2Error(f"{root} is not a cudal2 library (no {INDEX}; make one with `cudal2 export --library`)")
         try:
             data = json.loads(index.read_text())
-            entries = [Entry(**{**e, "verified_m": tuple(e["verified_m"])}) for e in data["entries"]]
+            entries = [DispatchEntry(**{**e, "verified_m": tuple(e["verified_m"])}) for e in data["entries"]]
             library_call = frozenset(tuple(p) for p in data.get("library_call", []))
         except (ValueError, KeyError, TypeError) as exc:
             raise Cudal2Error(f"{index} is not a readable cudal2 library index: {exc}") from None
@@ -92,7 +92,7 @@ class DispatchTable:
                 return f"built for {key} {self.versions.get(key)!r}, this machine has {environment.get(key)!r}"
         return None
 
-    def choose(self, m: int, n: int, k: int, dtype: str, layout: str) -> Entry | None:
+    def choose(self, m: int, n: int, k: int, dtype: str, layout: str) -> DispatchEntry | None:
         if (m, n, k, dtype, layout) in self.library_call:
             return None
         candidates = self._by_shape.get((n, k, dtype, layout), [])
@@ -132,7 +132,7 @@ def export_library(board: Leaderboard, rows: pd.DataFrame, compiler: Compiler, o
         target.with_suffix(".cu").write_text(board.source(row.source_hash))  # what it is, for a reader and `check`
         same = ok[(ok["source_hash"] == row.source_hash) & (ok["n"] == row.n) & (ok["k"] == row.k)
                   & (ok["dtype"] == row.dtype) & (ok["layout"] == row.layout)]
-        entries.append(Entry(int(row.m), int(row.n), int(row.k), row.dtype, row.layout, f"kernels/{target.name}",
+        entries.append(DispatchEntry(int(row.m), int(row.n), int(row.k), row.dtype, row.layout, f"kernels/{target.name}",
                              row.kernel, float(row.speedup_offline), tuple(sorted({int(v) for v in same["m"]}))))
     index = {"versions": versions, "entries": [asdict(e) for e in entries], "library_call": library_call}
     (Path(out) / INDEX).write_text(json.dumps(index, indent=1, default=str))
