@@ -162,8 +162,8 @@ class ShapeRun:
     ends (or is interrupted), so an interrupted run keeps what it measured; a re-run
     measures nothing twice (same source, or same binary) unless `remeasure`.
 
-    Only the loop's thread touches the fields below but `inflight`, which the compile
-    thread shares."""
+    The compile thread (_prepare) reads the context, the proposer and the budget, and
+    writes only to `inflight`; every other field is the loop's thread's alone."""
 
     def __init__(self, ctx: Context, proposer: Proposer, budget: Budget, *, remeasure: bool = False,
                  on_event: Event | None = None):
