@@ -145,11 +145,12 @@ def optimize(problems: list[Problem] | Problem, *, proposer: str = "search", ite
     search = Search(proposer, seed, template, grid, llm_settings if proposer != "search" else None,
                     ReplayClient(replay) if replay is not None else None)
     find_nvcc()
-    Leaderboard(settings.results).read()  # an unreadable leaderboard fails before any measurement
+    board = Leaderboard(settings.results)
+    board.read()  # an unreadable leaderboard fails before any measurement
     with contextlib.ExitStack() as stack:
         gpu_workers = workers or [stack.enter_context(Worker(d)) for d in (gpus or [settings.device])]
         tuner = Tuner(settings, gpu_workers, search, Budget(iterations, batch, time_budget, patience),
-                      mode=mode, remeasure=remeasure)
+                      mode=mode, remeasure=remeasure, leaderboard=board)
         outcomes = tuner.run(problems, on_event)
     return [TuneResult(p, tuner.environment, tuner.run_id, o, tuner.llm_tokens) for p, o in zip(problems, outcomes)]
 

@@ -43,10 +43,11 @@ class Tuner:
     """One tuning run over started GPU `workers` (all of one GPU model and driver): each
     gets a compiler (sharing the compile slots: settings.jobs, or every core) and, with an
     LLM, its own LLM proposer; every shape gets a search proposer warm-started from the
-    shapes measured before it (here and shipped)."""
+    shapes measured before it (here and shipped). Rows go to `leaderboard` (default: the
+    results directory's)."""
 
     def __init__(self, settings: Settings, workers: list, search: Search, budget: Budget, *,
-                 mode: str = "offline", remeasure: bool = False):
+                 mode: str = "offline", remeasure: bool = False, leaderboard: Leaderboard | None = None):
         self.settings, self.workers, self.search, self.budget = settings, workers, search, budget
         self.mode, self.remeasure = mode, remeasure
         envs = [w.start() for w in workers]
@@ -57,7 +58,7 @@ class Tuner:
         slots = threading.BoundedSemaphore(settings.jobs or os.cpu_count() or 1)
         self.compilers = [Compiler(settings.arch or default_arch(env["cc"]), settings.cache_dir, settings.jobs,
                                    settings.timeout, slots) for _ in workers]
-        self.leaderboard = Leaderboard(settings.results)
+        self.leaderboard = leaderboard or Leaderboard(settings.results)
         self.run_id = new_run_id()
         self.within = self._within(search, env["cc"])
         self.llms = [self._llm(w.device) for w in workers] if search.llm is not None else [None] * len(workers)
