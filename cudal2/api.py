@@ -10,28 +10,27 @@ these and prints.
 from __future__ import annotations
 
 import contextlib
-import functools
-import os
-import threading
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import pandas as pd
 
-from . import prebuilt
 from . import render as render_stage
-from .bench import PROTOCOL
 from .candidate import Candidate
-from .compile import Compiler, find_nvcc
+from .compile import Build, Compiler, find_nvcc, first_error_line, library_symbols
 from .config import Settings, load_settings
 from .environment import default_arch
 from .errors import Cudal2Error
-from .leaderboard import BASELINES, Leaderboard, best, priors, select, shipped, with_shipped
-from .optimize import Budget, Event, Outcome, optimize_shapes
-from .pipeline import Context, evaluate, measure_baselines, new_run_id
+from .leaderboard import Leaderboard, select, shipped
+from .llm import ReplayClient, load_llm_settings
+from .optimize import Budget, Event, Outcome
+from .pipeline import Built, Context, evaluate, measure, new_run_id
 from .problem import Problem
-from .runtime import MIN_SPEEDUP
+from .protocol import BASELINES, PROTOCOL, best
+from .report import write_report
+from .runtime import MIN_SPEEDUP, DispatchTable, export_library
+from .tuner import Search, Tuner
 from .worker import Worker
 
 
@@ -57,11 +56,6 @@ class TuneResult:
     @property
     def best(self) -> dict[str, Any] | None:
         return self.outcome.best
-
-
-def first_error_line(log: str) -> str:
-    lines = [line.strip() for line in log.splitlines() if line.strip()]
-    return next((line for line in lines if "error" in line.lower()), lines[-1] if lines else "no output")
 
 
 def known_candidates(problem: Problem, leaderboard: Leaderboard, rows: pd.DataFrame, cc: int,
@@ -96,7 +90,7 @@ def _worker(settings: Settings, worker) -> contextlib.AbstractContextManager:
 
 
 def bench(problem: Problem, *, kernels: list[Candidate] | None = None, template: str | None = None,
-          grid: dict[str, list[str]] | None = None, mode: str = "offline", protocol: str = PROTOCOL,
+          grid: dict[str, list[str]] | None = None, mode: str = "offline",
           top: int | None = None, settings: Settings | None = None, worker=None,
           on_start=None) -> BenchResult:
     """Measures the baselines and kernels on one problem: `kernels` (free-form or template
@@ -110,7 +104,7 @@ def bench(problem: Problem, *, kernels: list[Candidate] | None = None, template:
     named = list(kernels or [])
     find_nvcc()
     leaderboard = Leaderboard(settings.results)
-    recorded = leaderboard.read(bench=None)  # an unreadable leaderboard fails before any measurement
+    recorded = leaderboard.read(protocol=None)  # an unreadable leaderboard fails before any measurement
     with _worker(settings, worker) as gpu:
         cc = render_stage.arch_cc(settings.arch) if settings.arch else gpu.start()["cc"]
         compiler = Compiler(settings.arch or default_arch(cc), settings.cache_dir, settings.jobs, settings.timeout)
@@ -122,37 +116,14 @@ def bench(problem: Problem, *, kernels: list[Candidate] | None = None, template:
         env = gpu.start()
         # the results directory's rows, and the shipped measurements of this GPU (a machine
         # with no results yet re-measures what was measured on its kind of GPU before)
-        here = shipped(bench=None)
+        here = shipped(protocol=None)
         known = pd.concat([df for df in (recorded, here[here["gpu"] == env["gpu"]]) if len(df)] or [recorded])
         candidates = named or known_candidates(problem, leaderboard, known, env["cc"], top)
-        ctx = Context(problem, settings, gpu, compiler, leaderboard, new_run_id(), mode=mode, protocol=protocol)
+        ctx = Context(problem, settings, gpu, compiler, leaderboard, new_run_id(), mode=mode)
         if on_start:
             on_start(env, len(candidates))
-        rows = measure_baselines(ctx)
-        rows += list(evaluate(ctx, candidates))
+        rows = list(evaluate(ctx, candidates, baselines=True))
     return BenchResult(problem, env, rows)
-
-
-def gpu_indices(spec: str | None) -> list[int] | None:
-    """--gpus: "all" or "0,1,..." as device indices, each checked to exist; None for None."""
-    if spec is None:
-        return None
-    try:
-        import cupy
-
-        count = cupy.cuda.runtime.getDeviceCount()
-    except Exception as exc:  # no driver, no device, no CuPy
-        raise Cudal2Error(f"no usable CUDA device: {str(exc).splitlines()[0] if str(exc) else type(exc).__name__}") from None
-    if spec.strip() == "all":
-        return list(range(count))
-    try:
-        wanted = [int(part) for part in spec.split(",")]
-    except ValueError:
-        raise Cudal2Error(f"--gpus takes 'all' or comma-separated indices, got {spec!r}") from None
-    for index in wanted:
-        if not 0 <= index < count:
-            raise Cudal2Error(f"GPU {index} is not there ({count} GPU{'s' if count != 1 else ''}: 0-{count - 1})")
-    return list(dict.fromkeys(wanted))
 
 
 def optimize(problems: list[Problem] | Problem, *, proposer: str = "search", iterations: int = 10,
@@ -166,10 +137,26 @@ def optimize(problems: list[Problem] | Problem, *, proposer: str = "search", ite
     of saved replies standing in for the endpoint). One GPU worker per device of `gpus`
     (default: settings.device), each taking the next untuned shape; all share the compile
     cache and the cores nvcc runs on. `workers` stands in for the GPU workers (tests)."""
-    from .propose import HybridProposer, SearchProposer
-
     problems = [problems] if isinstance(problems, Problem) else list(problems)
     settings = settings or load_settings()
+    _check_search(proposer, template, grid, replay)
+    if proposer != "search":
+        llm_settings = llm_settings or load_llm_settings()
+    search = Search(proposer, seed, template, grid, llm_settings if proposer != "search" else None,
+                    ReplayClient(replay) if replay is not None else None)
+    find_nvcc()
+    board = Leaderboard(settings.results)
+    board.read()  # an unreadable leaderboard fails before any measurement
+    with contextlib.ExitStack() as stack:
+        gpu_workers = workers or [stack.enter_context(Worker(d)) for d in (gpus or [settings.device])]
+        tuner = Tuner(settings, gpu_workers, search, Budget(iterations, batch, time_budget, patience),
+                      mode=mode, remeasure=remeasure, leaderboard=board)
+        outcomes = tuner.run(problems, on_event)
+    return [TuneResult(p, tuner.environment, tuner.run_id, o, tuner.llm_tokens) for p, o in zip(problems, outcomes)]
+
+
+def _check_search(proposer: str, template: str | None, grid: dict | None, replay: Path | None) -> None:
+    """The proposer's options agree, and a named template exists (before any GPU work)."""
     if grid and not template:
         raise Cudal2Error("--param needs --template")
     if template and proposer == "llm":
@@ -178,79 +165,6 @@ def optimize(problems: list[Problem] | Problem, *, proposer: str = "search", ite
         render_stage.get_template(template)
     if replay is not None and proposer == "search":
         raise Cudal2Error("--replay stands in for the llm endpoint; use --proposer llm or hybrid")
-    replies = None
-    if proposer != "search":
-        from .llm import ReplayClient, load_llm_settings
-
-        llm_settings = llm_settings or load_llm_settings()
-        replies = ReplayClient(replay) if replay is not None else None
-    find_nvcc()
-    leaderboard = Leaderboard(settings.results)
-    leaderboard.read()  # an unreadable leaderboard fails before any measurement
-    with contextlib.ExitStack() as stack:
-        gpu_workers = workers or [stack.enter_context(Worker(d)) for d in (gpus or [settings.device])]
-        envs = [w.start() for w in gpu_workers]
-        env = envs[0]
-        if len({(e["gpu"], e["cc"], e.get("driver")) for e in envs}) > 1:
-            raise Cudal2Error("--gpus names GPUs of different models or drivers: " +
-                              ", ".join(f"{w.device}: {e['gpu']} ({e.get('driver')})" for w, e in zip(gpu_workers, envs)))
-        slots = threading.BoundedSemaphore(settings.jobs or os.cpu_count() or 1)
-        compilers = [Compiler(settings.arch or default_arch(env["cc"]), settings.cache_dir, settings.jobs,
-                              settings.timeout, slots) for _ in gpu_workers]
-        run_id = new_run_id()
-
-        def cached(target: Problem, name: str, params: dict[str, Any]) -> bool:
-            return compilers[0].lookup(render_stage.render(Candidate.from_template(name, params), target)) is not None
-
-        # The prebuilt set as far as it is built here (what a first batch can rank in
-        # milliseconds): what the cache's manifest lists (a `prebuild` or its unpacked tarball:
-        # the cost model's region picks with the measured near-best) and the measured part of
-        # the set; per dtype and layout, whose builds serve every shape. Read when a search
-        # first asks (an LLM-only run never does).
-        built_by_variant: dict[tuple[str, str], list[tuple[str, dict]]] = {}
-
-        @functools.cache
-        def prebuilt_set() -> list[prebuilt.Entry]:
-            return prebuilt.available(settings.cache_dir, compilers[0].arch, with_shipped(leaderboard.read(bench=None)))
-
-        def built(target: Problem) -> list[tuple[str, dict]]:
-            variant = (target.dtype, target.layout)
-            if variant not in built_by_variant:
-                built_by_variant[variant] = [
-                    (e.candidate.template, e.candidate.param_dict) for e in prebuilt_set()
-                    if (e.dtype, e.layout) == variant and cached(target, e.candidate.template, e.candidate.param_dict)]
-            return built_by_variant[variant]
-
-        within = None
-        if template:  # every configuration of the grid (or of the whole space), valid for this GPU
-            within = (render_stage.template_grid(template, grid, env["cc"]) if grid else
-                      [Candidate.from_template(template, p)
-                       for p in render_stage.get_template(template).space.configurations(env["cc"])])
-        llms = [None] * len(gpu_workers)
-        if llm_settings is not None:
-            from .llm import LLMProposer
-
-            llms = [LLMProposer(llm_settings, run_dir=settings.results / "runs" / run_id / f"gpu{w.device}",
-                                cc=env["cc"], device=env, client=replies) for w in gpu_workers]
-
-        def context(problem: Problem, slot: int) -> Context:
-            return Context(problem, settings, gpu_workers[slot], compilers[slot], leaderboard, run_id, mode=mode,
-                           proposer=proposer, model=llm_settings.model if llm_settings else None)
-
-        def proposer_for(ctx: Context):
-            # the shapes tuned before this one, here and in the shipped measurements, are priors
-            prior = priors(leaderboard.read(), env["gpu"])
-            search = SearchProposer(env, seed=seed, prior=prior, cached=cached, within=within, built=built)
-            llm = llms[compilers.index(ctx.compiler)]
-            if llm is not None:
-                llm.prior = prior  # its warm start: the nearest problems' fastest
-            return search if llm is None else llm if proposer == "llm" else HybridProposer(llm, search)
-
-        outcomes = optimize_shapes(problems, context, proposer_for, Budget(iterations, batch, time_budget, patience),
-                                   workers=len(gpu_workers), remeasure=remeasure, on_event=on_event)
-    tokens = (sum(u.get("total_tokens") or 0 for llm in llms if llm for u in llm.usage)
-              if llm_settings is not None else None)
-    return [TuneResult(p, env, run_id, o, tokens) for p, o in zip(problems, outcomes)]
 
 
 @dataclass
@@ -313,10 +227,6 @@ def _check_library(root: Path, shapes: list[Problem] | None, fail_under: float, 
     loads, not a new build of its source) verified and timed against the baselines here; the
     measurements go to the results directory as a bench's do. A library built for another
     GPU model is refused; one built with another driver or toolkit is what a check is for."""
-    from .compile import Build, library_symbols
-    from .pipeline import Built, measure_rows
-    from .runtime import DispatchTable
-
     table = DispatchTable.load(root)
     wanted = None if shapes is None else {(p.m, p.n, p.k, p.dtype, p.layout) for p in shapes}
     entries = [e for e in table.entries if wanted is None or (e.m, e.n, e.k, e.dtype, e.layout) in wanted]
@@ -338,9 +248,8 @@ def _check_library(root: Path, shapes: list[Problem] | None, fail_under: float, 
             build = Build(key=path.stem, status="ok", library=path, log="", seconds=0.0, cached=True,
                           exports=exports, imports=imports)
             ctx = Context(problem, settings, gpu, compiler, leaderboard, run_id)
-            measure_baselines(ctx)
-            row, = measure_rows(ctx, [Built(Candidate.from_source(source, label=entry.kernel), source, build)])
-            leaderboard.append([row])
+            *_, row = measure(ctx, [Built(Candidate.from_source(source, label=entry.kernel), source, build)],
+                              baselines=True)
             rows.append(_check_record(problem, fail_under, entry.kernel, entry.speedup, row))
     if wanted is not None:  # a shape the library does not serve has no kernel: it fails
         served = {r["problem"] for r in rows}
@@ -349,16 +258,14 @@ def _check_library(root: Path, shapes: list[Problem] | None, fail_under: float, 
 
 
 def report(out: Path, *, shapes: list[Problem] | None = None, results: Path | None = None,
-           bench: str = PROTOCOL) -> Path:
+           protocol: str = PROTOCOL) -> Path:
     """Writes the HTML report (plots embedded; PNGs beside it) of the best kernel per shape
     of one bench protocol to `out`; returns the page's path."""
-    from .report import write_report
-
     board = Leaderboard(results or load_settings().results)
     if not board.parts.exists():
         raise Cudal2Error(f"no leaderboard in {board.root} (nothing measured there yet, or another --results)")
     try:
-        return write_report(board.read(bench), Path(out), shapes)
+        return write_report(board.read(protocol), Path(out), shapes)
     except ValueError as exc:
         raise Cudal2Error(f"nothing to report: {exc}") from None
 
@@ -370,8 +277,6 @@ def export(library: Path, *, gpu: str | None = None, shapes: list[Problem] | Non
     `library`; a problem whose best claim is below `min_speedup` (default: runtime's
     MIN_SPEEDUP, 1.03: a claim within the runs' spread of 1.0 is a tie) is left to the
     library call. Returns its DispatchTable."""
-    from .runtime import export_library
-
     settings = settings or load_settings()
     board = Leaderboard(settings.results)
     if not board.parts.exists():
@@ -390,12 +295,12 @@ def export(library: Path, *, gpu: str | None = None, shapes: list[Problem] | Non
     return export_library(board, rows, compiler, Path(library), min_speedup)
 
 
-def leaderboard(*, results: Path | None = None, bench: str = PROTOCOL, shapes: list[Problem] | None = None,
+def leaderboard(*, results: Path | None = None, protocol: str = PROTOCOL, shapes: list[Problem] | None = None,
                 top: int = 1, **filters: Any) -> pd.DataFrame:
     """The best verified kernels per problem (the `top` of each), of one bench protocol:
     of the shapes given, else of every problem matching `filters` (m, n, k, dtype, layout)."""
     board = Leaderboard(results or load_settings().results)
-    df = best(select(board.read(bench), **filters), top)
+    df = best(select(board.read(protocol), **filters), top)
     if shapes is None:
         return df
     keys = ["m", "n", "k", "dtype", "layout"]

@@ -30,11 +30,11 @@ from typing import Any
 
 from .compile import Compiler, find_nvcc
 from .errors import Cudal2Error
+from .measure import graph_medians
 from .problem import Problem
+from .protocol import BASELINES as NAMES, OFFLINE_METHODS
+from .verify import Kernel, Rejected
 
-NAMES = ("cuBLAS", "cuBLASLt", "torch.matmul")
-# Leaderboard column prefix of each baseline (cublas_kernel_us, cublaslt_graph_us, ...).
-COLUMN = {"cuBLAS": "cublas", "cuBLASLt": "cublaslt", "torch.matmul": "torch"}
 LT_ALGOS = 32  # heuristic results timed by the autotuning
 LT_FIELDS = ("algo", "tile", "stages", "splitk", "reduction", "swizzle", "custom", "cluster")
 
@@ -152,8 +152,6 @@ class CublasLt:
     """The shim library, loaded with ctypes: the heuristic's algorithms, one selected."""
 
     def __init__(self, path: str):
-        from .verify import Kernel
-
         self.kernel = Kernel(path)
         lib = self.kernel.lib
         lib.cudal2_lt_heuristics.argtypes = [ctypes.c_int] * 4
@@ -243,8 +241,6 @@ def choose_finalist(record: dict[str, Any], timings: dict[str, dict[str, dict]],
     and the other finalists leave. The record then names it (index and configuration, from
     `finalist_configs`), the autotuning's pick (`autotuned`, whose time `us` stays) and each
     finalist's time (`finalists_us`). Without offline timings of them all the pick stays."""
-    from .bench import OFFLINE_METHODS
-
     names = {index: (FINALIST.format(index) if index != record["index"] else "cuBLASLt") for index in finalists(record)}
     methods = [m for m in OFFLINE_METHODS if m in timings]
     complete = methods and all(name in timings[m] for m in methods for name in names.values())
@@ -280,8 +276,6 @@ def names_its_algorithm(lt: CublasLt, count: int, record: dict[str, Any]) -> boo
 
 def abi_call(kernel, workspace, problem: Problem, stream, name: str):
     """run(a, b, c) for a library implementing the kernel ABI; a non-zero return is an error."""
-    from .verify import Rejected
-
     def run(a, b, c) -> None:
         code = kernel.call(a.data.ptr, b.data.ptr, c.data.ptr, problem.m, problem.n, problem.k,
                            workspace.data.ptr, workspace.nbytes, stream.ptr)
@@ -298,9 +292,6 @@ def library_calls(problem: Problem, job: dict[str, Any], stream, rng) -> tuple[d
     finalist but the pick as a contestant of its own (FINALIST), and the record lists them
     (`finalists`) with their configurations, for choose_finalist."""
     import cupy
-
-    from .measure import graph_medians
-    from .verify import Kernel
 
     libraries = job["libraries"]
     blas = Kernel(libraries["cuBLAS"])

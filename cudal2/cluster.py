@@ -26,9 +26,11 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from . import api
 from .config import Settings
+from .environment import describe_device
 from .errors import Cudal2Error
-from .leaderboard import Leaderboard, compact
+from .leaderboard import COLUMNS, Leaderboard, compact
 from .problem import Problem
 
 UNIFORM_KEYS = ("gpu", "driver", "max_sm_clock_mhz")  # must be the same on every worker
@@ -36,8 +38,6 @@ UNIFORM_KEYS = ("gpu", "driver", "max_sm_clock_mhz")  # must be the same on ever
 
 def gpu_facts() -> dict[str, Any]:
     """This worker's GPU (device 0 of what it sees), as describe_device reports it."""
-    from .environment import describe_device
-
     facts = describe_device(0)
     return {**{k: facts.get(k) for k in (*UNIFORM_KEYS, "sm_clock_mhz", "cc")}, "host": socket.gethostname()}
 
@@ -47,8 +47,6 @@ def tune_task(problem: dict[str, Any], options: dict[str, Any], settings: Settin
     holding `seed` (the head's verified rows on this GPU, a leaderboard.compact table: the
     search's priors, as on the head); returns its new rows and the sources they name."""
     import pyarrow.parquet as pq
-
-    from . import api
 
     # (a Dask worker's process is a daemon; the GPU worker's processes are plain subprocesses,
     # which a daemon may start)
@@ -61,7 +59,7 @@ def tune_task(problem: dict[str, Any], options: dict[str, Any], settings: Settin
             pq.write_table(seed, board.parts / "part-seed.parquet")
             seeded = set(seed.column("run_id").to_pylist())
         api.optimize([Problem(**problem)], settings=local, **options)
-        rows = board.read(bench=None)
+        rows = board.read(protocol=None)
         rows = rows[~rows["run_id"].isin(seeded)]
         sources = {h: board.source(h) for h in set(rows["source_hash"].dropna())}
         rows = rows.astype(object).where(rows.notna(), None)  # missing values as None, not NaN
@@ -116,7 +114,7 @@ def optimize_on_cluster(problems: list[Problem], address: str | Any, *, settings
         futures = {client.submit(task, dataclasses.asdict(p), dict(options or {}), settings, seed,
                                  resources={"GPU": 1}, pure=False, key=f"cudal2-tune-{p}-{i}"): p
                    for i, p in enumerate(problems)}
-        done = []
+        done, columns = [], set(COLUMNS)
         for future in as_completed(futures):
             if future.status == "error":  # one shape's failure is that shape's, not the run's
                 result = {"problem": str(futures[future]), "error": repr(future.exception()), "rows": [], "sources": {}}
@@ -127,7 +125,7 @@ def optimize_on_cluster(problems: list[Problem], address: str | Any, *, settings
             result = future.result()
             for source in result["sources"].values():
                 board.store_source(source)
-            board.append([{k: v for k, v in row.items() if k in _columns()} for row in result["rows"]])
+            board.append([{k: v for k, v in row.items() if k in columns} for row in result["rows"]])
             done.append(result)
             if on_done:
                 on_done(futures[future], result)
@@ -136,8 +134,3 @@ def optimize_on_cluster(problems: list[Problem], address: str | Any, *, settings
         if client is not address:
             client.close()
 
-
-def _columns() -> set[str]:
-    from .leaderboard import COLUMNS
-
-    return set(COLUMNS)

@@ -322,3 +322,9 @@ class Compiler:
         if failure is not None:
             raise failure
         return [builds[s] for s in sources]
+
+
+def first_error_line(log: str) -> str:
+    """The line of a compiler's log that says what went wrong (else its last line)."""
+    lines = [line.strip() for line in log.splitlines() if line.strip()]
+    return next((line for line in lines if "error" in line.lower()), lines[-1] if lines else "no output")

@@ -15,9 +15,9 @@ from typing import Any
 
 import pandas as pd
 
-from .bench import PROTOCOL
 from .environment import dram_bandwidth, tensor_peak
 from .problem import Problem
+from .protocol import PROTOCOL
 from .render import Template, load_templates, recorded_params
 
 LAUNCH_US = 2.0  # a launch and its tail, measured: cuBLAS 64^3 takes ~2-3 us back to back
@@ -164,7 +164,7 @@ def recorded_device(df: pd.DataFrame, gpu: str) -> dict[str, Any]:
 def measured_configurations(df: pd.DataFrame, gpu: str) -> dict[Problem, dict[tuple[str, str], float]]:
     """What the leaderboard says about the template configurations on one GPU: per problem,
     (template, params JSON of today's space) -> best offline speedup measured. Speedups of
-    one problem are compared within one bench protocol (the `bench` column): the one with
+    one problem are compared within one bench protocol (the `protocol` column): the one with
     the most configurations measured, this version's on a tie. (Configurations are only
     compared with each other: the ratio between two kernels of one protocol.)"""
     templates = load_templates()
@@ -175,7 +175,7 @@ def measured_configurations(df: pd.DataFrame, gpu: str) -> dict[Problem, dict[tu
         if (params := recorded_params(row, templates)) is not None:
             problem = Problem(int(row["m"]), int(row["n"]), int(row["k"]), row["dtype"], row["layout"])
             key = (row["template"], json.dumps(params, sort_keys=True))
-            speedups = by_protocol.setdefault(problem, {}).setdefault(row["bench"], {})
+            speedups = by_protocol.setdefault(problem, {}).setdefault(row["protocol"], {})
             speedups[key] = max(speedups.get(key, 0.0), float(row["speedup_offline"]))
     return {problem: max(protocols.items(), key=lambda e: (len(e[1]), e[0] == PROTOCOL))[1]
             for problem, protocols in by_protocol.items()}

@@ -13,10 +13,12 @@ import traceback
 from multiprocessing.connection import Connection
 from typing import Any
 
-from .baselines import FINALIST, abi_call, library_calls
-from .bench import STUDY_PROTOCOLS, study_job
+from .baselines import FINALIST, abi_call, cublas_gemm, library_calls
+from .environment import describe_device
+from .measure import CuptiTimer, Session
 from .problem import Problem
-from .verify import UNIT_ROUNDOFF, poison_output
+from .verify import (UNIT_ROUNDOFF, Kernel, Numerics, Operands, Rejected, compare, physical_floor_us, poison_output,
+                     seed_from_os, verify)
 
 
 def main(fd: str, device: str, cupti: str) -> None:
@@ -29,9 +31,6 @@ def serve(conn, device: int, cupti: bool) -> None:
     """Answers the parent's jobs until it sends None or goes away."""
     try:
         import cupy
-
-        from .environment import describe_device
-        from .measure import CuptiTimer
 
         if cupy.cuda.runtime.getDeviceCount() <= device:
             raise RuntimeError(f"device {device} does not exist")
@@ -84,11 +83,8 @@ def _methods(job: dict[str, Any]) -> tuple[str, ...]:
 
 
 def _kernel_job(job: dict[str, Any], environment: dict[str, Any], timer) -> dict[str, Any]:
-    """Verifies one kernel (graph process); a study protocol's job then times it as it did."""
+    """Verifies one kernel (graph process)."""
     import cupy
-
-    from .baselines import cublas_gemm
-    from .verify import Kernel, seed_from_os, verify
 
     problem = Problem(**job["problem"])
     rng = random.Random(seed_from_os())
@@ -98,8 +94,6 @@ def _kernel_job(job: dict[str, Any], environment: dict[str, Any], timer) -> dict
         verdict = verify(kernel, problem, stream, cublas_gemm(problem, stream), rng)
         result = {"status": verdict.status, "error": verdict.reason,
                   "max_error": verdict.max_error, "tolerance": verdict.tolerance, "left_error": kernel.left_error}
-        if verdict.status == "ok" and job["settings"].get("protocol") in STUDY_PROTOCOLS:
-            return {**result, **study_job(job, environment, stream, rng, kernel)}
     return result
 
 
@@ -107,8 +101,6 @@ def _kernels_job(job: dict[str, Any], environment: dict[str, Any], timer) -> dic
     """Opens this process's session of verified kernels (job["kernels"]: name, library,
     tolerance) beside the baselines."""
     import cupy
-
-    from .verify import Kernel, Rejected, seed_from_os
 
     problem = Problem(**job["problem"])
     rng = random.Random(seed_from_os())
@@ -136,8 +128,6 @@ def _open(kind: str, job: dict[str, Any], run: dict, problem: Problem, **timing:
     """This process's timing session of the job (its phase's methods), kept for the rounds
     and the finish that follow; `kind`: "kernels" (their contestants the suspects) or
     "baselines". The job closed the earlier session first (_close_session)."""
-    from .measure import Session
-
     suspects = frozenset(name for name in run if name.startswith("kernel:")) if kind == "kernels" else frozenset()
     session = Session(run, problem, settings=job["settings"], methods=_methods(job), suspects=suspects, **timing)
     _SESSION.update(session=session, kind=kind, problem=problem)
@@ -146,8 +136,6 @@ def _open(kind: str, job: dict[str, Any], run: dict, problem: Problem, **timing:
 
 def _round_job(job: dict[str, Any], environment: dict[str, Any], timer) -> dict[str, Any]:
     """One round of the open session's methods."""
-    from .verify import Rejected
-
     try:
         _SESSION["session"].round()
     except Rejected as r:
@@ -166,8 +154,6 @@ def _finish_job(job: dict[str, Any], environment: dict[str, Any], timer) -> dict
     reason): one faster than this GPU's physical limit is a cheat; and the CUDA errors its
     kernels' calls left pending (`left_errors`: name -> error; each was cleared before the
     next call, and the parent starts a fresh process for what follows)."""
-    from .verify import Rejected, physical_floor_us
-
     session, problem = _SESSION["session"], _SESSION["problem"]
     try:
         timings = session.finish()
@@ -227,16 +213,12 @@ def _rejected(r, suspects: frozenset[str]) -> dict[str, Any]:
 def _baselines_job(job: dict[str, Any], environment: dict[str, Any], timer) -> dict[str, Any]:
     import cupy
 
-    from .verify import Numerics, Operands, compare, seed_from_os
-
     problem = Problem(**job["problem"])
     rng = random.Random(seed_from_os())
     stream = cupy.cuda.Stream(non_blocking=True)
     num = Numerics(problem.dtype)
     _close_session()
     with stream:
-        if job["settings"].get("protocol") in STUDY_PROTOCOLS:
-            return {"status": "ok", **study_job(job, environment, stream, rng, None)}
         run, record = library_calls(problem, job, stream, rng)
         errors = {}
         if job.get("phase") != "cupti":

@@ -16,59 +16,16 @@ import pandas as pd
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from .baselines import COLUMN, NAMES as BASELINE_NAMES
-from .bench import PROTOCOL
 from .errors import Cudal2Error
+from .protocol import BASELINES, COLUMNS, PROTOCOL, SCHEMA, STATUSES, best, row_record
 
-STATUSES = ("ok", "unsupported", "compile_error", "wrong", "cheat", "crash", "timeout", "invalid")
-BASELINES = BASELINE_NAMES
+__all__ = ["BASELINES", "COLUMNS", "PROTOCOL", "SCHEMA", "STATUSES", "Leaderboard", "best", "select"]
 
-_I, _F, _S = pa.int64(), pa.float64(), pa.string()
-BASELINE_COLUMNS = list(COLUMN.values())  # each baseline's column prefix
-SCHEMA = pa.schema([
-    ("run_id", _S), ("time", pa.timestamp("us", tz="UTC")),
-    # environment
-    ("gpu", _S), ("cc", _I), ("sm_count", _I), ("sm_clock_mhz", _I), ("max_sm_clock_mhz", _I),
-    ("driver", _S), ("cuda", _S), ("nvcc", _S), ("cupy", _S), ("cutlass", _S), ("arch", _S),
-    # problem
-    ("m", _I), ("n", _I), ("k", _I), ("dtype", _S), ("layout", _S),
-    # candidate
-    ("kernel", _S), ("candidate_id", _S), ("template", _S), ("params", _S), ("source_hash", _S),
-    ("proposer", _S), ("model", _S),
-    # outcome
-    ("status", _S), ("error", _S),
-    ("registers", _I), ("smem_bytes", _I), ("spill_bytes", _I), ("stack_bytes", _I),
-    # what a template's kernel declares beyond ptxas's report (compile.declared_resources):
-    # its dynamic shared memory, its warpgroups' registers per thread after setmaxnreg
-    ("dynamic_smem_bytes", _I), ("producer_registers", _I), ("consumer_registers", _I),
-    ("compile_s", _F), ("max_error", _F), ("tolerance", _F),
-    # timings (device time, microseconds) and the cuBLAS baseline from the same run
-    ("offline_us", _F), ("offline_p20_us", _F), ("offline_p80_us", _F), ("offline_samples", _I),
-    ("server_us", _F), ("server_p20_us", _F), ("server_p80_us", _F), ("server_samples", _I),
-    ("cublas_offline_us", _F), ("cublas_server_us", _F),
-    ("speedup_offline", _F), ("speedup_server", _F), ("tflops", _F),
-    # how times were taken (cudal2/bench.py): PROTOCOL, or an earlier offline protocol
-    # ("fenced"; "back-to-back" for parts written before this column existed)
-    ("bench", _S),
-    # the protocol's two methods: CUPTI device time per call, and in a CUDA graph between
-    # neighbour kernels; offline_* above is the method whose ratio is the lower (the claim)
-    ("kernel_us", _F), ("kernel_p20_us", _F), ("kernel_p80_us", _F), ("kernel_samples", _I),
-    ("graph_us", _F), ("graph_p20_us", _F), ("graph_p80_us", _F), ("graph_samples", _I),
-    # every baseline by every method, from the same run as the row
-    *[(f"{b}_{m}_us", _F) for m in ("kernel", "graph") for b in BASELINE_COLUMNS],
-    *[(f"{b}_server_us", _F) for b in BASELINE_COLUMNS if b != "cublas"],  # cublas_server_us: above
-    # speedups: per method against the fastest baseline, and (lower of the two methods)
-    # against each baseline; `baseline` names the fastest in the claimed method
-    ("speedup_kernel", _F), ("speedup_graph", _F),
-    *[(f"speedup_vs_{b}", _F) for b in BASELINE_COLUMNS],
-    ("baseline", _S), ("baseline_offline_us", _F), ("baseline_server_us", _F),
-    ("cublaslt_algo", _S),  # the autotuned cuBLASLt algorithm (JSON: index, of, id, tile, ...)
-    ("device", _I),  # the GPU's index on its host (rows of a multi-GPU run)
-    ("temperature_c", _I),  # the GPU's temperature when a soaked (long) call's timed rounds began
-])
-COLUMNS = SCHEMA.names
-# Parts written before the protocol column existed were timed back to back.
-ADDED_COLUMNS = {"bench": "back-to-back"}
+# Columns added since parts were first written, and the value old parts read for them (null
+# if not named): parts written before the protocol was recorded were timed back to back.
+ADDED_COLUMNS = {"protocol": "back-to-back"}
+# Columns renamed since: their old name -> their name.
+RENAMED_COLUMNS = {"bench": "protocol"}
 # The columns every cudal2 part has had; a file without them is not a leaderboard part.
 CORE_COLUMNS = ("run_id", "time", "gpu", "m", "n", "k", "dtype", "layout", "kernel", "status")
 
@@ -82,7 +39,7 @@ SHIPPED_COLUMNS = (
     "run_id", "time", "gpu", "cc", "sm_count", "sm_clock_mhz", "max_sm_clock_mhz", "driver", "cuda", "nvcc",
     "cutlass", "arch", "m", "n", "k", "dtype", "layout", "kernel", "template", "params", "status", "registers",
     "smem_bytes", "spill_bytes", "dynamic_smem_bytes", "producer_registers", "consumer_registers", "offline_us",
-    "offline_p20_us", "offline_p80_us", "speedup_offline", "tflops", "bench", "kernel_us", "graph_us",
+    "offline_p20_us", "offline_p80_us", "speedup_offline", "tflops", "protocol", "kernel_us", "graph_us",
     "speedup_kernel", "speedup_graph", "baseline", "baseline_offline_us",
 )
 
@@ -96,28 +53,28 @@ def compact(df: pd.DataFrame) -> pa.Table:
     return pa.Table.from_pandas(pd.DataFrame(columns), schema=SCHEMA, preserve_index=False)
 
 
-def shipped(bench: str | None = PROTOCOL, path: Path = SHIPPED) -> pd.DataFrame:
-    """The shipped measurements (SHIPPED) timed by the protocol `bench` (None: every one)."""
+def shipped(protocol: str | None = PROTOCOL, path: Path = SHIPPED) -> pd.DataFrame:
+    """The shipped measurements (SHIPPED) timed by `protocol` (None: every one)."""
     if not path.is_file():
         return SCHEMA.empty_table().to_pandas()
     df = _read_part(path).to_pandas()
-    return df if bench is None else df[df["bench"] == bench].reset_index(drop=True)
+    return df if protocol is None else df[df["protocol"] == protocol].reset_index(drop=True)
 
 
-def with_shipped(recorded: pd.DataFrame, gpu: str | None = None, bench: str | None = None) -> pd.DataFrame:
+def with_shipped(recorded: pd.DataFrame, gpu: str | None = None, protocol: str | None = None) -> pd.DataFrame:
     """`recorded` (a results directory's rows) and the shipped measurements, those of `gpu`
-    and timed by `bench` (None: every GPU, every protocol)."""
-    rows = pd.concat([df for df in (recorded, shipped(bench)) if len(df)] or [recorded])
+    and timed by `protocol` (None: every GPU, every protocol)."""
+    rows = pd.concat([df for df in (recorded, shipped(protocol)) if len(df)] or [recorded])
     if gpu is not None:
         rows = rows[rows["gpu"] == gpu]
-    return rows if bench is None else rows[rows["bench"] == bench]
+    return rows if protocol is None else rows[rows["protocol"] == protocol]
 
 
-def priors(recorded: pd.DataFrame, gpu: str, bench: str = PROTOCOL) -> list[dict[str, Any]]:
-    """The search's priors on `gpu`: the verified rows timed by `bench` among `recorded`
+def priors(recorded: pd.DataFrame, gpu: str, protocol: str = PROTOCOL) -> list[dict[str, Any]]:
+    """The search's priors on `gpu`: the verified rows timed by `protocol` among `recorded`
     (the results directory's) and the shipped ones, each configuration once per problem
     (its best)."""
-    rows = with_shipped(recorded, gpu, bench)
+    rows = with_shipped(recorded, gpu, protocol)
     rows = rows[rows["status"] == "ok"].sort_values("speedup_offline", ascending=False, na_position="last")
     return rows.drop_duplicates(["m", "n", "k", "dtype", "layout", "template", "params"]).to_dict("records")
 
@@ -128,6 +85,8 @@ def _read_part(path: Path) -> pa.Table:
     table = pq.read_table(path)
     if not set(CORE_COLUMNS) <= set(table.column_names):
         raise ValueError("not a cudal2 leaderboard part (columns differ)")
+    table = table.rename_columns([RENAMED_COLUMNS.get(c, c) if RENAMED_COLUMNS.get(c) not in table.column_names else c
+                                  for c in table.column_names])
     for field in SCHEMA:
         if field.name not in table.column_names:
             value = ADDED_COLUMNS.get(field.name)
@@ -160,13 +119,7 @@ class Leaderboard:
         if not rows:
             return None
         now = datetime.now(timezone.utc)
-        unknown = set().union(*rows) - set(COLUMNS)
-        if unknown:
-            raise ValueError(f"unknown leaderboard columns: {sorted(unknown)}")
-        table = pa.Table.from_pylist(
-            [{c: row.get(c, now if c == "time" else None) for c in COLUMNS} for row in rows],
-            schema=SCHEMA,
-        )
+        table = pa.Table.from_pylist([vars(row_record({"time": now, **row})) for row in rows], schema=SCHEMA)
         self._mkdir(self.parts)
         name = f"part-{now:%Y%m%dT%H%M%S}-{uuid.uuid4().hex[:8]}.parquet"
         tmp = self.parts / f".{name}.tmp"
@@ -188,15 +141,15 @@ class Leaderboard:
     def source(self, digest: str) -> str:
         return (self.sources / f"{digest}.cu").read_text()
 
-    def read(self, bench: str | None = PROTOCOL) -> pd.DataFrame:
-        """Rows timed by the protocol `bench` (None: every protocol). Parts written before a
+    def read(self, protocol: str | None = PROTOCOL) -> pd.DataFrame:
+        """Rows timed by `protocol` (None: every protocol). Parts written before a
         column existed read it as null; a part that is not a readable leaderboard part is
         skipped with a warning."""
         tables = [table for _, table in self._tables()]
         if not tables:
             return SCHEMA.empty_table().to_pandas()
         df = pa.concat_tables(tables).to_pandas()
-        return df if bench is None else df[df["bench"] == bench].reset_index(drop=True)
+        return df if protocol is None else df[df["protocol"] == protocol].reset_index(drop=True)
 
     def _tables(self) -> list[tuple[Path, pa.Table]]:
         if self.parts.exists() and not self.parts.is_dir():
@@ -254,19 +207,6 @@ def select(df: pd.DataFrame, **filters: Any) -> pd.DataFrame:
         if value is not None:
             df = df[df[column] == value]
     return df
-
-
-def best(df: pd.DataFrame, top: int = 1) -> pd.DataFrame:
-    """The `top` fastest verified kernels per problem, GPU and bench protocol, by the claimed
-    offline speedup (rows of two protocols are never ranked together). A kernel measured
-    more than once counts by its latest measurement: the best of its noisy repeats would
-    flatter it, and a re-check (`bench --top`, after a driver upgrade) is meant to replace
-    what it re-measures."""
-    ok = df[(df["status"] == "ok") & ~df["kernel"].isin(BASELINES) & df["speedup_offline"].notna()]
-    keys = ["gpu", "m", "n", "k", "dtype", "layout", "bench"]
-    latest = ok.sort_values("time", kind="stable").drop_duplicates(keys + ["source_hash"], keep="last")
-    ranked = latest.sort_values("speedup_offline", ascending=False, kind="stable")
-    return ranked.groupby(keys, sort=True, dropna=False).head(top).reset_index(drop=True)
 
 
 def contributions(df: pd.DataFrame, results: Path) -> pd.DataFrame:

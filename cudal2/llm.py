@@ -14,10 +14,8 @@ import re
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 from urllib.parse import urlparse
-
-import openai
 
 from .candidate import Candidate, Invalid
 from .config import _coerce, config_table
@@ -25,6 +23,9 @@ from .errors import Cudal2Error
 from .problem import Problem
 from .prompt import round_prompt
 from .render import get_template, template_candidate
+
+if TYPE_CHECKING:
+    import openai
 
 
 @dataclass(frozen=True)
@@ -126,6 +127,8 @@ class LLMProposer:
                        "requests": request + 1, "cut_off": cut, "seconds": round(time.perf_counter() - start, 3)}
 
     def _request(self, messages: list[dict[str, str]]):
+        import openai  # its client takes ~0.5 s to import: only when an LLM is asked
+
         try:
             return self.client.chat.completions.create(
                 model=self.settings.model, messages=messages, temperature=self.settings.temperature,
@@ -184,6 +187,8 @@ def _client(settings: LLMSettings) -> openai.OpenAI:
         if urlparse(settings.base_url or "").hostname not in ("localhost", "127.0.0.1", "::1"):
             raise Cudal2Error(f"set {settings.api_key_env} (or --api-key-env) for the llm proposer")
         key = "unused"  # a local server needs none
+    import openai  # its client takes ~0.5 s to import: only when an LLM is asked
+
     return openai.OpenAI(
         base_url=settings.base_url, api_key=key, timeout=settings.timeout, max_retries=settings.max_retries
     )

@@ -18,8 +18,9 @@ from collections.abc import Callable
 from dataclasses import asdict
 from typing import Any
 
-from .bench import INPUT_SETS, OFFLINE_METHODS, graph_rounds, kernel_rounds, summarize
+from .bench import INPUT_SETS, graph_rounds, kernel_rounds, summarize
 from .problem import Problem
+from .protocol import OFFLINE_METHODS
 from .verify import UNIT_ROUNDOFF, Numerics, Rejected, compare, poison_output
 
 # The graph method's neighbour of each call: an in-place elementwise pass (sin) over 512 KB,

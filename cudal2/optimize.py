@@ -9,7 +9,7 @@ import threading
 import time
 from collections import Counter
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -17,10 +17,11 @@ from typing import Any
 
 from .candidate import Candidate
 from .errors import Cudal2Error
-from .leaderboard import BASELINES, select, source_hash
+from .leaderboard import select, source_hash
 from .pipeline import Built, Context, build_all, invalid_row, measure_baselines, measure_rows, session_size
 from .problem import Problem
 from .propose import Proposer, from_proposer
+from .protocol import BASELINES, best_row
 from .render import render
 from .runtime import export_best
 
@@ -90,77 +91,217 @@ def problem_history(ctx: Context) -> list[dict[str, Any]]:
     return df.sort_values("time").to_dict("records") if len(df) else []
 
 
-def optimize(ctx: Context, proposer: Proposer, budget: Budget, *, remeasure: bool = False,
-             on_event: Event | None = None) -> Outcome:
-    """Runs the loop for ctx.problem. Each batch's rows are appended to the leaderboard as
-    it ends (or is interrupted), so an interrupted run keeps what it measured; a re-run
-    measures nothing twice (same source, or same binary) unless `remeasure`."""
-    emit = on_event or (lambda kind, info: None)
-    start = time.monotonic()
-    out = Outcome()
-    history = problem_history(ctx)  # everything known: warm start, best kernel
-    # What the proposer sees: all history, or only this run's rows when re-measuring.
-    visible = [] if remeasure else history
-    seen_sources = set() if remeasure else {r["source_hash"] for r in history if r.get("source_hash")}
-    seen_binaries: set[str] = set()
-    # Candidates proposed but not yet measured, shown to the proposer as "pending" rows so
-    # the batch compiled ahead does not repeat the batch on the GPU.
-    in_flight: list[dict[str, Any]] = []
+class InFlight:
+    """What the compile thread shares with the loop, behind one lock: the kernel sources
+    already claimed (measured, or proposed and not yet measured), the candidates pending
+    (proposed, not yet measured: shown to the proposer, so that the batch compiled ahead does
+    not repeat the batch on the GPU), the proposals that repeated a claimed source, and the
+    builds of the batch compiling now as they finish."""
 
-    t0 = time.monotonic()
-    baseline_rows = measure_baselines(ctx)
-    baseline_s = out.baselines_s = time.monotonic() - t0
-    out.gpu_s += baseline_s
-    out.rows += baseline_rows
-    history += baseline_rows
-    if remeasure:
-        visible += baseline_rows
-    fastest = min((r for r in baseline_rows if r.get(f"{ctx.mode}_us") is not None),
-                  key=lambda r: r[f"{ctx.mode}_us"], default=None)
-    out.baseline, out.baseline_us = (fastest["kernel"], fastest[f"{ctx.mode}_us"]) if fastest else (None, None)
-    emit("baseline", {"us": out.baseline_us, "name": out.baseline})
+    def __init__(self, seen: set[str]):
+        self._lock = threading.Lock()
+        self._seen = set(seen)
+        self._pending: dict[str, dict[str, Any]] = {}  # source hash -> its "pending" row
+        self._repeats: list[tuple[Candidate, str]] = []
+        self._compiled: list[Built] = []
+        self.duplicates = 0  # candidates skipped: a claimed source, or a binary already measured
+        self.compile_s = 0.0  # nvcc seconds of the compiles run (not cached)
 
-    def over_time() -> bool:
-        return budget.time_s is not None and time.monotonic() - start >= budget.time_s
+    def claim(self, proposal: Candidate, digest: str) -> bool:
+        """True if `proposal` (its source's hash `digest`) is new: it is then pending."""
+        with self._lock:
+            if digest in self._seen:
+                self.duplicates += 1
+                self._repeats.append((proposal, digest))
+                return False
+            self._seen.add(digest)
+            self._pending[digest] = {"kernel": str(proposal), "template": proposal.template, "status": "pending",
+                                     "params": proposal.params_json if proposal.template else None}
+            return True
 
-    def time_left() -> float | None:
-        return None if budget.time_s is None else max(0.0, budget.time_s - (time.monotonic() - start))
+    def compiling(self) -> None:
+        """A new batch starts compiling: the builds seen are the previous batch's."""
+        with self._lock:
+            self._compiled.clear()
 
-    def prepare(snapshot: list[dict[str, Any]], generation: int) -> tuple[list[Built], list[dict[str, Any]]]:
-        """Propose and compile one batch (runs beside the GPU work of the previous one)."""
-        proposals = [from_proposer(p, proposer.name) for p in proposer.propose(ctx.problem, snapshot, budget.batch)]
+    def built(self, item: Built) -> None:
+        with self._lock:
+            self._compiled.append(item)
+
+    def compiled(self) -> list[Built]:
+        with self._lock:
+            return list(self._compiled)
+
+    def add_compile_s(self, seconds: float) -> None:
+        with self._lock:
+            self.compile_s += seconds
+
+    def skipped(self) -> None:
+        with self._lock:
+            self.duplicates += 1
+
+    def measured(self, items: list[Built]) -> None:
+        """These candidates were measured (or skipped as a measured binary): no longer pending."""
+        with self._lock:
+            for item in items:
+                self._pending.pop(source_hash(item.source), None)
+
+    def pending(self) -> list[dict[str, Any]]:
+        with self._lock:
+            return list(self._pending.values())
+
+    def repeats(self, last: int) -> list[tuple[Candidate, str]]:
+        with self._lock:
+            return self._repeats[-last:]
+
+
+class ShapeRun:
+    """One problem's tuning loop: propose -> render -> compile -> verify -> bench -> record
+    until the budget is spent, the next batch proposed and compiled on a thread (prepare)
+    while this one is on the GPU. Each batch's rows are appended to the leaderboard as it
+    ends (or is interrupted), so an interrupted run keeps what it measured; a re-run
+    measures nothing twice (same source, or same binary) unless `remeasure`.
+
+    The compile thread (_prepare) reads the context, the proposer and the budget, and
+    writes only to `inflight`; every other field is the loop's thread's alone."""
+
+    def __init__(self, ctx: Context, proposer: Proposer, budget: Budget, *, remeasure: bool = False,
+                 on_event: Event | None = None):
+        self.ctx, self.proposer, self.budget = ctx, proposer, budget
+        self.emit: Event = on_event or (lambda kind, info: None)
+        self.start = time.monotonic()
+        self.out = Outcome()
+        self.history = problem_history(ctx)  # everything known: warm start, best kernel
+        # What the proposer sees: all history, or only this run's rows when re-measuring.
+        self.visible: list[dict[str, Any]] = [] if remeasure else self.history
+        self.inflight = InFlight(set() if remeasure else {r["source_hash"] for r in self.history
+                                                          if r.get("source_hash")})
+        self.seen_binaries: set[str] = set()
+        self.held: list[dict[str, Any]] = []  # rows measured ahead of their batch, recorded in its part
+        self.held_improved = False
+        self.early: set[str] = set()  # sources measured while their batch was still compiling
+        self.metric = f"speedup_{ctx.mode}"  # the mode that decides "best": offline or server
+        best = best_row(self.history, ctx.mode)
+        self.best_speedup = best[self.metric] if best else 0.0
+        self.verified = best is not None  # a verified kernel is known
+        # Seconds a kernel takes on the GPU, from this run's latest session (at first, the
+        # baselines' session): a time budget is spent in sessions that fit it.
+        self.per_kernel_s = 0.0
+
+    # ------------------------------------------------------------------ the run
+
+    def run(self) -> Outcome:
+        self._baselines()
+        # Not a `with` block: when the time budget ends during a compile the run stops
+        # without waiting for it (the compile is cancelled).
+        pool = ThreadPoolExecutor(max_workers=1)
+        try:
+            self._batches(pool)
+        finally:
+            pool.shutdown(wait=False, cancel_futures=True)
+            if self.held:  # measured ahead of a batch that never came (stopped, interrupted)
+                self._record(self.held)
+            self.out.duplicates, self.out.compile_s = self.inflight.duplicates, self.inflight.compile_s
+        out = self.out
+        out.wall_s = time.monotonic() - self.start
+        out.best = best_row(self.history, self.ctx.mode)
+        if out.best is not None:
+            out.exported = export_best(self.ctx.leaderboard, self.ctx.settings.results, out.best, self.ctx.mode)
+        return out
+
+    def _baselines(self) -> None:
+        t0 = time.monotonic()
+        rows = measure_baselines(self.ctx)
+        self._record(rows)
+        self.per_kernel_s = self.out.baselines_s = time.monotonic() - t0
+        self.out.gpu_s += self.out.baselines_s
+        self.out.rows += rows
+        self._see(rows)
+        column = f"{self.ctx.mode}_us"
+        fastest = min((r for r in rows if r.get(column) is not None), key=lambda r: r[column], default=None)
+        self.out.baseline, self.out.baseline_us = (fastest["kernel"], fastest[column]) if fastest else (None, None)
+        self.emit("baseline", {"us": self.out.baseline_us, "name": self.out.baseline})
+
+    def _batches(self, pool: ThreadPoolExecutor) -> None:
+        """Batch after batch until the budget ends; sets out.stopped."""
+        budget, out = self.budget, self.out
+        pending = pool.submit(self._prepare, list(self.visible), self.ctx.compiler.generation)
+        stale = 0
+        for iteration in range(budget.iterations):
+            try:
+                built, invalid = self._batch_result(pending)
+                built = [item for item in built if item.source not in self.early]
+            except FutureTimeout:
+                self._stop_in_compile(pending)
+                return
+            except Cudal2Error as exc:  # e.g. the LLM endpoint failed for good: keep what we have
+                out.stopped = f"the proposer failed: {exc}"
+                return
+            out.rows += invalid
+            self._see(invalid)
+            last = iteration + 1 >= budget.iterations or self._over_time()
+            if not last:  # the next batch compiles while this one is on the GPU
+                pending = pool.submit(self._prepare, self._proposer_view(), self.ctx.compiler.generation)
+            self.emit("batch", {"iteration": iteration + 1, "candidates": len(built), "invalid": len(invalid)})
+            if not built and not invalid:
+                out.stopped = "the proposer has nothing new"
+                return
+            stale = 0 if self._measure_batch(built, list(invalid)) else stale + 1
+            if last:
+                out.stopped = "time budget spent" if self._over_time() else "iterations done"
+                return
+            if budget.patience is not None and stale >= budget.patience:
+                out.stopped = f"no better kernel in {stale} batches (patience)"
+                pending.cancel()
+                return
+
+    def _stop_in_compile(self, pending: Future) -> None:
+        """The time budget ended while the next batch compiled: its compiles stop; a run
+        with no verified kernel yet still measures what of the batch is built (it never
+        ends empty)."""
+        self.out.stopped = "time budget spent (while the next batch compiled)"
+        self.ctx.compiler.cancel()  # its nvcc processes stop; nothing half-done is cached
+        if self.verified:
+            return
+        with contextlib.suppress(Exception):  # its compiles stopped: Cancelled
+            pending.result(timeout=PROPOSAL_WAIT_S)
+        ready = self._built_unmeasured()
+        if ready:
+            self.out.stopped += f"; the {len(ready)} kernel(s) built by then measured"
+            self._measure_batch(ready, [])
+
+    # ------------------------------------------------------------------ the compile thread
+
+    def _prepare(self, snapshot: list[dict[str, Any]], generation: int) -> tuple[list[Built], list[dict[str, Any]]]:
+        """Proposes and compiles one batch (on the pool's thread, beside the GPU work of the
+        previous one): its builds, and the rows of proposals that never became a kernel.
+        Shares nothing with the loop but `inflight`."""
+        ctx, name = self.ctx, self.proposer.name
+        proposals = [from_proposer(p, name) for p in self.proposer.propose(ctx.problem, snapshot, self.budget.batch)]
         fresh, invalid = [], []
         for proposal in proposals:
             if not isinstance(proposal, Candidate):
-                invalid.append(invalid_row(ctx, proposal.reason, proposal.text, f"{proposer.name} proposal"))
+                invalid.append(invalid_row(ctx, proposal.reason, proposal.text, f"{name} proposal"))
                 continue
             try:
                 digest = source_hash(render(proposal, ctx.problem))
             except Cudal2Error as exc:
-                invalid.append(invalid_row(ctx, str(exc), str(proposal), f"{proposer.name} proposal"))
+                invalid.append(invalid_row(ctx, str(exc), str(proposal), f"{name} proposal"))
                 continue
-            if digest in seen_sources:  # measured (or being measured) already: the proposer is told
-                out.duplicates += 1
-                repeats.append((proposal, digest))
-                continue
-            seen_sources.add(digest)
-            fresh.append(proposal)
-            in_flight.append({"kernel": str(proposal), "template": proposal.template, "status": "pending",
-                              "params": proposal.params_json if proposal.template else None})
-        compiled.clear()
-        built = build_all(ctx, fresh, generation, on_built=compiled.append)
-        out.compile_s += sum(b.build.seconds for b in built if not b.build.cached)
+            if self.inflight.claim(proposal, digest):  # else measured (or being measured): the proposer is told
+                fresh.append(proposal)
+        self.inflight.compiling()
+        built = build_all(ctx, fresh, generation, on_built=self.inflight.built)
+        self.inflight.add_compile_s(sum(b.build.seconds for b in built if not b.build.cached))
         return built, invalid
 
-    compiled: list[Built] = []  # the batch compiling now: its builds as they finish
-    repeats: list[tuple[Candidate, str]] = []  # proposals already measured (and their source hash)
-
-    def repeat_notes() -> list[dict[str, Any]]:
-        """The latest repeated proposals as rows for the proposer (never recorded), each with
-        the earlier measurement's result."""
+    def _proposer_view(self) -> list[dict[str, Any]]:
+        """What the next batch's proposer sees: the visible rows, the candidates pending,
+        and the latest repeated proposals (never recorded), each with the earlier
+        measurement's result."""
         notes = []
-        for proposal, digest in repeats[-6:]:
-            earlier = next((r for r in reversed(history) if r.get("source_hash") == digest), None)
+        for proposal, digest in self.inflight.repeats(6):
+            earlier = next((r for r in reversed(self.history) if r.get("source_hash") == digest), None)
             speedup = earlier.get("speedup_offline") if earlier else None
             result = ("is still being measured" if earlier is None else
                       f"was measured as {earlier['kernel']}: {earlier['status']}"
@@ -168,155 +309,135 @@ def optimize(ctx: Context, proposer: Proposer, budget: Budget, *, remeasure: boo
             notes.append({"kernel": str(proposal), "template": proposal.template, "status": "repeat",
                           "params": proposal.params_json if proposal.template else None,
                           "error": f"proposed again: it {result}"})
-        return notes
+        return list(self.visible) + self.inflight.pending() + notes
 
-    def verified() -> bool:
-        return best_row(history, ctx.mode) is not None
+    def _built_unmeasured(self) -> list[Built]:
+        """The compiling batch's builds that finished and were not measured early."""
+        return [item for item in self.inflight.compiled() if item.build.status == "ok" and item.source not in self.early]
 
-    held: list[dict[str, Any]] = []  # rows measured ahead of their batch, recorded in its part
-    held_improved = False
+    def _batch_result(self, pending: Future) -> tuple[list[Built], list[dict[str, Any]]]:
+        """The compiling batch's builds and invalid rows. Until a kernel is verified, each
+        build that finishes meanwhile is measured at once: a run from an empty cache has its
+        first verified kernel when the quickest compile ends, not the slowest."""
+        while not self.verified:
+            ready = self._built_unmeasured()
+            if ready:
+                self.early.add(ready[0].source)
+                self._measure_batch(ready[:1], [], ahead=True)
+                continue
+            left = self._time_left()
+            try:
+                return pending.result(timeout=0.5 if left is None else min(0.5, left))
+            except FutureTimeout:
+                if self._over_time():
+                    raise
+        return pending.result(timeout=self._time_left())
 
-    # Seconds a kernel takes on the GPU, from this run's latest session (at first, the
-    # baselines' session): a time budget is spent in sessions that fit it.
-    per_kernel_s = baseline_s
+    # ------------------------------------------------------------------ the GPU
 
-    def sessions(items: list[Built]):
-        """The batch's kernels, session by session (next_session)."""
-        items = list(items)
-        while items:
-            size = next_session(len(items), session_size(ctx), time_left(), per_kernel_s)
-            yield items[:size]
-            del items[:size]
-
-    def measure_batch(built: list[Built], rows: list[dict[str, Any]], ahead: bool = False) -> bool:
+    def _measure_batch(self, built: list[Built], rows: list[dict[str, Any]], ahead: bool = False) -> bool:
         """Measures the batch's kernels, session by session, until the time budget is spent
         once a kernel is verified (a run never ends without one while it has one to measure);
         records the rows as one part, even when interrupted, with any measured `ahead` of
         the batch (those are held for it). True if the best speedup improved."""
-        nonlocal best_speedup, held_improved, per_kernel_s
         improved = False
+        fresh, binaries = self._distinct_binaries(built)
+        try:
+            for session in self._sessions(fresh):
+                if self._over_time() and self.verified:
+                    break
+                self.seen_binaries.update(b for item in session if (b := binaries[item.source]) is not None)
+                for row in self._measure_session(session):
+                    rows.append(row)
+                    improved |= self._take(row)
+        finally:
+            self.inflight.measured(built)
+            if ahead:
+                self.held.extend(rows)
+            else:
+                self._record(self.held + rows)
+                self.held.clear()
+        if ahead:
+            self.held_improved |= improved
+            return improved
+        improved, self.held_improved = improved or self.held_improved, False
+        return improved
+
+    def _distinct_binaries(self, built: list[Built]) -> tuple[list[Built], dict[str, str | None]]:
+        """The builds whose binary is not measured already (identical binaries are
+        measured once), and each one's binary hash."""
         fresh, binaries = [], {}
         for item in built:
             binary = _binary_hash(item)
-            if binary is not None and (binary in seen_binaries or binary in binaries.values()):
-                out.duplicates += 1
+            if binary is not None and (binary in self.seen_binaries or binary in binaries.values()):
+                self.inflight.skipped()
                 continue
             fresh.append(item)
             binaries[item.source] = binary
-        try:
-            for session in sessions(fresh):
-                if over_time() and verified():
-                    break
-                seen_binaries.update(b for item in session if (b := binaries[item.source]) is not None)
-                t0 = time.monotonic()
-                measured = measure_rows(ctx, session)
-                on_gpu = sum(item.build.status == "ok" for item in session)
-                if on_gpu:
-                    spent = time.monotonic() - t0
-                    out.gpu_s += spent
-                    out.sessions.append((on_gpu, round(spent, 3)))
-                    per_kernel_s = spent / on_gpu
-                for row in measured:
-                    rows.append(row)
-                    out.rows.append(row)
-                    if row["status"] == "ok" and out.first_verified_s is None:
-                        out.first_verified_s = time.monotonic() - start
-                    _extend(history, visible, [row])
-                    speedup = row.get(metric)
-                    if row["status"] == "ok" and speedup and speedup > best_speedup:
-                        best_speedup, improved = speedup, True
-                    emit("measured", {"row": row, "speedup": speedup, "best_speedup": best_speedup})
-        finally:
-            if ahead:
-                held.extend(rows)
-            else:
-                ctx.leaderboard.append(held + rows)
-                held.clear()
-        if ahead:
-            held_improved |= improved
-            return improved
-        improved, held_improved = improved or held_improved, False
+        return fresh, binaries
+
+    def _sessions(self, items: list[Built]):
+        """The batch's kernels, session by session (next_session)."""
+        items = list(items)
+        while items:
+            size = next_session(len(items), session_size(self.ctx), self._time_left(), self.per_kernel_s)
+            yield items[:size]
+            del items[:size]
+
+    def _measure_session(self, session: list[Built]) -> list[dict[str, Any]]:
+        t0 = time.monotonic()
+        measured = measure_rows(self.ctx, session)
+        on_gpu = sum(item.build.status == "ok" for item in session)
+        if on_gpu:
+            spent = time.monotonic() - t0
+            self.out.gpu_s += spent
+            self.out.sessions.append((on_gpu, round(spent, 3)))
+            self.per_kernel_s = spent / on_gpu
+        return measured
+
+    def _take(self, row: dict[str, Any]) -> bool:
+        """A measured row joins the run; True if it is the best speedup so far."""
+        self.out.rows.append(row)
+        verified = row["status"] == "ok"
+        if verified and self.out.first_verified_s is None:
+            self.out.first_verified_s = time.monotonic() - self.start
+        self._see([row])
+        speedup = row.get(self.metric)
+        improved = bool(verified and speedup and speedup > self.best_speedup)
+        if improved:
+            self.best_speedup = speedup
+        self.emit("measured", {"row": row, "speedup": speedup, "best_speedup": self.best_speedup})
         return improved
 
-    early: set[str] = set()  # sources measured while their batch was still compiling
+    # ------------------------------------------------------------------ bookkeeping
 
-    def built_unmeasured() -> list[Built]:
-        """The compiling batch's builds that finished and were not measured early."""
-        return [item for item in list(compiled) if item.build.status == "ok" and item.source not in early]
+    def _see(self, rows: list[dict[str, Any]]) -> None:
+        """This run's rows join the history, and what the proposer sees (with `remeasure`,
+        only this run's rows)."""
+        self.history.extend(rows)
+        if self.visible is not self.history:
+            self.visible.extend(rows)
+        speedup = self.metric
+        self.verified |= any(r["status"] == "ok" and r["kernel"] not in BASELINES and r.get(speedup) is not None
+                             and r[speedup] == r[speedup] for r in rows)
 
-    def batch_result(pending) -> tuple[list[Built], list[dict[str, Any]]]:
-        """The compiling batch's builds and invalid rows. Until a kernel is verified, each
-        build that finishes meanwhile is measured at once: a run from an empty cache has its
-        first verified kernel when the quickest compile ends, not the slowest."""
-        while not verified():
-            ready = built_unmeasured()
-            if ready:
-                early.add(ready[0].source)
-                measure_batch(ready[:1], [], ahead=True)
-                continue
-            wait = 0.5 if time_left() is None else min(0.5, time_left())
-            try:
-                return pending.result(timeout=wait)
-            except FutureTimeout:
-                if over_time():
-                    raise
-        return pending.result(timeout=time_left())
+    def _record(self, rows: list[dict[str, Any]]) -> None:
+        """The loop's one writer: rows go to the leaderboard as one part."""
+        self.ctx.leaderboard.append(rows)
 
-    metric = f"speedup_{ctx.mode}"  # the mode that decides "best": offline or server
-    best = best_row(history, ctx.mode)
-    best_speedup = best[metric] if best else 0.0
-    stale = 0
-    # Not a `with` block: when the time budget ends during a compile the run stops without
-    # waiting for it (the compile is cancelled).
-    pool = ThreadPoolExecutor(max_workers=1)
-    try:
-        pending = pool.submit(prepare, list(visible), ctx.compiler.generation)
-        for iteration in range(budget.iterations):
-            try:
-                built, invalid = batch_result(pending)
-                built = [item for item in built if item.source not in early]
-            except FutureTimeout:
-                out.stopped = "time budget spent (while the next batch compiled)"
-                ctx.compiler.cancel()  # its nvcc processes stop; nothing half-done is cached
-                if not verified():  # never end empty: the batch's proposal, and what of it is built
-                    with contextlib.suppress(Exception):  # its compiles stopped: Cancelled
-                        pending.result(timeout=PROPOSAL_WAIT_S)
-                    ready = built_unmeasured()
-                    if ready:
-                        out.stopped += f"; the {len(ready)} kernel(s) built by then measured"
-                        measure_batch(ready, [])
-                break
-            except Cudal2Error as exc:  # e.g. the LLM endpoint failed for good: keep what we have
-                out.stopped = f"the proposer failed: {exc}"
-                break
-            out.rows += invalid
-            _extend(history, visible, invalid)
-            last = iteration + 1 >= budget.iterations or over_time()
-            if not last:  # the next batch compiles while this one is on the GPU
-                pending = pool.submit(prepare, list(visible) + list(in_flight) + repeat_notes(), ctx.compiler.generation)
-            emit("batch", {"iteration": iteration + 1, "candidates": len(built), "invalid": len(invalid)})
-            if not built and not invalid:
-                out.stopped = "the proposer has nothing new"
-                break
-            improved = measure_batch(built, list(invalid))
-            del in_flight[: len(built)]
-            stale = 0 if improved else stale + 1
-            if last:
-                out.stopped = "time budget spent" if over_time() else "iterations done"
-                break
-            if budget.patience is not None and stale >= budget.patience:
-                out.stopped = f"no better kernel in {stale} batches (patience)"
-                pending.cancel()
-                break
-    finally:
-        pool.shutdown(wait=False, cancel_futures=True)
-        if held:  # measured ahead of a batch that never came (stopped, interrupted)
-            ctx.leaderboard.append(held)
-    out.wall_s = time.monotonic() - start
-    out.best = best_row(history, ctx.mode)
-    if out.best is not None:
-        out.exported = export_best(ctx.leaderboard, ctx.settings.results, out.best, ctx.mode)
-    return out
+    def _over_time(self) -> bool:
+        return self.budget.time_s is not None and time.monotonic() - self.start >= self.budget.time_s
+
+    def _time_left(self) -> float | None:
+        if self.budget.time_s is None:
+            return None
+        return max(0.0, self.budget.time_s - (time.monotonic() - self.start))
+
+
+def optimize(ctx: Context, proposer: Proposer, budget: Budget, *, remeasure: bool = False,
+             on_event: Event | None = None) -> Outcome:
+    """Tunes ctx.problem: a ShapeRun, run."""
+    return ShapeRun(ctx, proposer, budget, remeasure=remeasure, on_event=on_event).run()
 
 
 def optimize_shapes(problems: list[Problem], context: Callable[[Problem, int], Context],
@@ -383,21 +504,7 @@ def next_session(kernels: int, most: int, time_left: float | None, per_kernel_s:
     return size
 
 
-def _extend(history: list, visible: list, rows: list) -> None:
-    history.extend(rows)
-    if visible is not history:
-        visible.extend(rows)
-
-
 def _binary_hash(item: Built) -> str | None:
     if item.build.library is None:
         return None
     return hashlib.sha256(item.build.library.read_bytes()).hexdigest()
-
-
-def best_row(history: list[dict[str, Any]], mode: str = "offline") -> dict[str, Any] | None:
-    """The verified kernel with the highest speedup in `mode` (NaN and missing excluded)."""
-    key = f"speedup_{mode}"
-    ok = [r for r in history if r.get("status") == "ok" and r["kernel"] not in BASELINES
-          and r.get(key) and r[key] == r[key]]
-    return max(ok, key=lambda r: r[key], default=None)

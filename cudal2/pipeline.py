@@ -11,9 +11,9 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
-from .baselines import (COLUMN, NAMES as BASELINES, PICKS, RETIMED, SESSION_BUDGET_S, SESSION_SOAK_S, algo_json,
-                        build_baselines, choose_finalist, cublaslt_version, pick_key, read_pick, write_pick)
-from .bench import INPUT_SETS, OFFLINE_METHODS, PROTOCOL, claimed
+from .baselines import (PICKS, RETIMED, SESSION_BUDGET_S, SESSION_SOAK_S, algo_json, build_baselines, choose_finalist,
+                        cublaslt_version, pick_key, read_pick, write_pick)
+from .bench import INPUT_SETS, claimed
 from .candidate import Candidate
 from .compile import Build, Compiler
 from .config import Settings
@@ -21,6 +21,7 @@ from .environment import toolchain
 from .errors import Cudal2Error
 from .leaderboard import Leaderboard
 from .problem import Problem
+from .protocol import BASELINE_COLUMN as COLUMN, BASELINES, OFFLINE_METHODS, PROTOCOL
 from .render import render
 from .verify import forbidden_imports
 from .worker import Worker
@@ -46,7 +47,6 @@ class Context:
     mode: str = "offline"
     proposer: str = "user"
     model: str | None = None
-    protocol: str = PROTOCOL  # an earlier offline protocol only for study (`cudal2 bench --bench`)
     libraries: dict[str, str] | None = None  # the cuBLAS and cuBLASLt baselines' (built on first use)
     # cuBLASLt's final choice per problem (its record), made in the problem's first session
     cublaslt: dict[Problem, dict[str, Any]] = field(default_factory=dict)
@@ -57,18 +57,18 @@ class Context:
         return {
             "run_id": self.run_id, **{c: env.get(c) for c in ENV_COLUMNS}, **toolchain(),
             "arch": self.compiler.arch, "m": p.m, "n": p.n, "k": p.k, "dtype": p.dtype,
-            "layout": p.layout, "proposer": self.proposer, "model": self.model, "bench": self.protocol,
+            "layout": p.layout, "proposer": self.proposer, "model": self.model, "protocol": PROTOCOL,
             "device": self.worker.device,
         }
 
     def job(self, op: str, **extra: Any) -> dict[str, Any]:
         p = self.problem
-        if self.protocol == PROTOCOL and self.libraries is None:
+        if self.libraries is None:
             self.libraries = build_baselines(self.compiler, p)
         return {
             "op": op, "problem": {"m": p.m, "n": p.n, "k": p.k, "dtype": p.dtype, "layout": p.layout},
             "settings": {"mode": self.mode, "budget_s": self.settings.budget, "qps": self.settings.qps,
-                         "protocol": self.protocol},
+                         "protocol": PROTOCOL},
             "libraries": self.libraries,
             **({"cublaslt": self.cublaslt[p]} if p in self.cublaslt else {}), **extra,
         }
@@ -87,7 +87,6 @@ def timing_columns(timings: dict[str, dict[str, dict]], name: str, flops: int) -
     `speedup_offline`, is the lower of the kernel and graph ratios; `offline_us`,
     `baseline_offline_us` and `baseline` are the times and the fastest baseline of that
     method. `speedup_vs_<baseline>` is the lower of the two ratios against that one baseline.
-    Rows of the study protocols carry `offline`/`server` timings against cuBLAS alone.
     """
     row: dict[str, Any] = {}
     ratios: dict[str, float] = {}
@@ -98,8 +97,6 @@ def timing_columns(timings: dict[str, dict[str, dict]], name: str, flops: int) -
             continue
         row.update(_stats(method, mine))
         present = {b: entries[b]["median_us"] for b in BASELINES if b in entries}
-        if "offline" in timings:  # a study protocol's row: cuBLAS was its baseline
-            present = {b: us for b, us in present.items() if b == "cuBLAS"}
         for baseline, us in present.items():
             row[f"{COLUMN[baseline]}_{method}_us"] = us
         if present:
@@ -117,8 +114,6 @@ def timing_columns(timings: dict[str, dict[str, dict]], name: str, flops: int) -
             against = [row[f"{column}_{m}_us"] / row[f"{m}_us"] for m in OFFLINE_METHODS if f"{column}_{m}_us" in row]
             if against:
                 row[f"speedup_vs_{column}"] = min(against)
-    elif "offline" in fastest:
-        row.update(baseline_offline_us=fastest["offline"][0], baseline=fastest["offline"][1])
     if "server" in fastest:
         row["baseline_server_us"] = fastest["server"][0]
     if "offline_us" in row:
@@ -128,8 +123,8 @@ def timing_columns(timings: dict[str, dict[str, dict]], name: str, flops: int) -
 
 def measure_baselines(ctx: Context) -> list[dict[str, Any]]:
     """cuBLAS, cuBLASLt autotuned and torch.matmul (when importable), in one worker call of
-    about 2 s at most (a short session: baselines.SESSION_BUDGET_S). cuBLASLt's choice is
-    the one kept on this machine for the problem (baselines.PICKS), else the autotuning's,
+    about 2 s at most (a short session: baselines.SESSION_BUDGET_S): their rows, not yet
+    recorded. cuBLASLt's choice is the one kept on this machine for the problem (baselines.PICKS), else the autotuning's,
     decided between its finalists in this session (baselines.finalists) where memory holds
     them, and then kept; it holds for the context's later jobs."""
     picks = ctx.settings.cache_dir / PICKS
@@ -159,7 +154,6 @@ def measure_baselines(ctx: Context) -> list[dict[str, Any]]:
         if err > tol:
             row.update(status="wrong", error=f"max error {err:.3g} exceeds tolerance {tol:.3g}")
         rows.append(row)
-    ctx.leaderboard.append(rows)
     return rows
 
 
@@ -240,14 +234,18 @@ def measure_rows(ctx: Context, items: list[Built]) -> list[dict[str, Any]]:
     return rows
 
 
-def measure(ctx: Context, built: list[Built]) -> Iterator[dict[str, Any]]:
-    """measure_rows for the candidates, as many to a session as memory allows, yielding each
-    session's rows as soon as they exist. The rows go to the leaderboard as one part when
-    the batch ends, or when it is interrupted (Ctrl-C, an error): what was measured is kept
-    either way."""
+def measure(ctx: Context, built: list[Built], *, baselines: bool = False) -> Iterator[dict[str, Any]]:
+    """measure_rows for the candidates (after the baselines, with `baselines`), as many to a
+    session as memory allows, yielding each session's rows as soon as they exist. The rows
+    go to the leaderboard as one part when the batch ends, or when it is interrupted
+    (Ctrl-C, an error): what was measured is kept either way."""
     rows = []
     size = session_size(ctx)
     try:
+        if baselines:
+            for row in measure_baselines(ctx):
+                rows.append(row)
+                yield row
         for first in range(0, len(built), size):
             for row in measure_rows(ctx, built[first:first + size]):
                 rows.append(row)
@@ -256,9 +254,9 @@ def measure(ctx: Context, built: list[Built]) -> Iterator[dict[str, Any]]:
         ctx.leaderboard.append(rows)
 
 
-def evaluate(ctx: Context, candidates: list[Candidate]) -> Iterator[dict[str, Any]]:
-    """build_all, then measure: one row per candidate."""
-    yield from measure(ctx, build_all(ctx, candidates))
+def evaluate(ctx: Context, candidates: list[Candidate], *, baselines: bool = False) -> Iterator[dict[str, Any]]:
+    """build_all, then measure: one row per candidate (after the baselines', with `baselines`)."""
+    yield from measure(ctx, build_all(ctx, candidates), baselines=baselines)
 
 
 def invalid_row(ctx: Context, reason: str, text: str, label: str) -> dict[str, Any]:

@@ -93,12 +93,12 @@ def kernel_set(cc: int, measured: pd.DataFrame, regions: bool = True) -> list[En
 
     rows = measured[(measured["status"] == "ok") & (measured["cc"] == cc) & measured["template"].notna()
                     & measured["speedup_offline"].notna()]
-    for (m, n, k, dtype, layout, bench), group in rows.groupby(["m", "n", "k", "dtype", "layout", "bench"]):
+    for (m, n, k, dtype, layout, protocol), group in rows.groupby(["m", "n", "k", "dtype", "layout", "protocol"]):
         best = group["speedup_offline"].max()
         for row in group[group["speedup_offline"] >= NEAR_BEST * best].to_dict("records"):
             if row["template"] in templates and (params := recorded_params(row, templates)) is not None:
                 add(row["template"], params, dtype, layout,
-                    f"{row['speedup_offline'] / best:.3f} of the best at {m}x{n}x{k} {dtype} {layout} ({bench})")
+                    f"{row['speedup_offline'] / best:.3f} of the best at {m}x{n}x{k} {dtype} {layout} ({protocol})")
     gpus = [g for g in rows["gpu"].dropna().unique() if g in RECORDED_MEMORY]
     if gpus and regions:
         device = recorded_device(rows, gpus[0])

@@ -18,7 +18,7 @@ from typing import Any
 import jinja2
 
 from .environment import dram_bandwidth, tensor_peak
-from .leaderboard import BASELINES
+from .protocol import BASELINES
 from .problem import LAYOUT_HELP, Problem
 from .propose import nearest_winners
 from .render import Template, bundled_dir, load_templates, max_smem, recorded_params

@@ -220,35 +220,8 @@ class SearchProposer:
                 seen.add((name, candidate.params_json))
                 picks.append(candidate)
 
-        measured = sorted(
-            (row for row in history if row.get("status") == "ok" and row.get("template") in self.templates
-             and row.get("offline_us")),
-            key=lambda row: row["offline_us"],
-        )
-        measured_params = [(row["template"], params) for row in measured
-                           if (params := recorded_params(row, self.templates)) is not None]
-        values_measured = {(name, key, value) for name, params in measured_params for key, value in params.items()}
-        novel, by_axis = [], {}
-        for name, params in measured_params[:3]:
-            for key, moved in self._neighbours(name, params):
-                if fresh(name, moved):
-                    entry = (score(name, moved), name, moved)
-                    if (name, key, moved[key]) not in values_measured:
-                        novel.append(entry)
-                    else:
-                        by_axis.setdefault((name, key), []).append(entry)
-        # Moves to a value never measured on this problem first (they tell the most, whatever
-        # the model thinks of them), then each parameter's best move, each one's second, ...
-        near = sorted(novel, key=lambda e: e[0])
-        axes = [sorted(moves, key=lambda e: e[0]) for moves in by_axis.values()]
-        for layer in itertools.zip_longest(*axes):
-            near += sorted((e for e in layer if e is not None), key=lambda e: e[0])
-        warm = []  # what won on the nearest problems, in that order, if it can run this one
-        for row in nearest_winners(problem, self.prior, same=True):  # measured here already: not fresh
-            params, template = recorded_params(row, self.templates), self.templates.get(row["template"])
-            if (params is not None and template.supports(problem, self.device["cc"])
-                    and not template.space.violations(params, self.device["cc"])):
-                warm.append((score(row["template"], params), row["template"], params))
+        measured, near = self._near(history, fresh, score)
+        warm = self._warm(problem, score)
         first = not measured  # nothing of this problem measured yet: what is built goes first
         if first:
             warm.sort(key=lambda e: penalty(e[1], e[2]) > 1.0)
@@ -288,6 +261,45 @@ class SearchProposer:
         if first and self.cached is not None and picks:
             self._quick_build(problem, picks, ordered, penalty, fresh)
         return picks
+
+    def _near(self, history: list[dict[str, Any]], fresh, score) -> tuple[list[dict], list[tuple[float, str, dict]]]:
+        """This problem's verified template rows, fastest first, and the fresh neighbours of
+        the three fastest (scored): moves to a value never measured on this problem first
+        (they tell the most, whatever the model thinks of them), then each parameter's best
+        move, each one's second, ..."""
+        measured = sorted(
+            (row for row in history if row.get("status") == "ok" and row.get("template") in self.templates
+             and row.get("offline_us")),
+            key=lambda row: row["offline_us"],
+        )
+        measured_params = [(row["template"], params) for row in measured
+                           if (params := recorded_params(row, self.templates)) is not None]
+        values_measured = {(name, key, value) for name, params in measured_params for key, value in params.items()}
+        novel, by_axis = [], {}
+        for name, params in measured_params[:3]:
+            for key, moved in self._neighbours(name, params):
+                if fresh(name, moved):
+                    entry = (score(name, moved), name, moved)
+                    if (name, key, moved[key]) not in values_measured:
+                        novel.append(entry)
+                    else:
+                        by_axis.setdefault((name, key), []).append(entry)
+        near = sorted(novel, key=lambda e: e[0])
+        axes = [sorted(moves, key=lambda e: e[0]) for moves in by_axis.values()]
+        for layer in itertools.zip_longest(*axes):
+            near += sorted((e for e in layer if e is not None), key=lambda e: e[0])
+        return measured, near
+
+    def _warm(self, problem: Problem, score) -> list[tuple[float, str, dict]]:
+        """What won on the nearest problems (measured here already: not fresh), in that
+        order, if it can run this one (scored)."""
+        warm = []
+        for row in nearest_winners(problem, self.prior, same=True):
+            params, template = recorded_params(row, self.templates), self.templates.get(row["template"])
+            if (params is not None and template.supports(problem, self.device["cc"])
+                    and not template.space.violations(params, self.device["cc"])):
+                warm.append((score(row["template"], params), row["template"], params))
+        return warm
 
     def _first_ranking(self, problem: Problem, first: bool, wanted: int, fresh) -> list[tuple[float, str, dict]]:
         """What the batch's ranked half is drawn from: for a first batch with at least

@@ -13,7 +13,7 @@ from pathlib import Path
 import pandas as pd
 
 from .environment import tensor_peak
-from .leaderboard import BASELINES, best
+from .protocol import BASELINES, best
 from .problem import Problem
 from .tables import speedup_summary, verdict_line
 
@@ -144,7 +144,7 @@ td,th{{border:1px solid #ccc;padding:3px 6px;text-align:right}}td:nth-child(2){{
 overflow-wrap:anywhere}}img{{max-width:100%}}</style></head><body>
 <h1>cudal2 report: {gpu}</h1>
 <p>{len(winners)} shapes; speedup over the fastest library call (the lower of CUPTI and in-graph
-ratios, bench protocol <code>{html.escape(str(winners.iloc[0]["bench"]))}</code>): geometric mean
+ratios, bench protocol <code>{html.escape(str(winners.iloc[0]["protocol"]))}</code>): geometric mean
 <b>{summary["geomean_speedup"]:.3f}</b>, minimum <b>{summary["min_speedup"]:.3f}</b>; {html.escape(verdict_line(summary))}.</p>
 <table><tr><th>shape</th><th>best kernel</th><th>kernel us</th><th>graph us</th><th>fastest baseline</th>
 <th>its us</th><th>speedup</th><th>TFLOP/s</th></tr>

@@ -26,11 +26,11 @@ from typing import Any
 
 import pandas as pd
 
-from .bench import TIE
 from .compile import Compiler, flags
 from .errors import Cudal2Error
-from .leaderboard import Leaderboard, best
+from .leaderboard import Leaderboard
 from .problem import Problem
+from .protocol import TIE, best
 
 INDEX = "index.json"
 VERSION_KEYS = ("gpu", "driver")  # a mismatch in any: every call falls back
@@ -38,14 +38,14 @@ VERSION_KEYS = ("gpu", "driver")  # a mismatch in any: every call falls back
 # a caller's own runtime may differ on the same machine (torch 2.11's 13.0 beside CuPy's 13.2
 # on the H200) and does not reach the kernels, which carry nvcc's; the driver pins the rest.
 BUILD_KEYS = ("cuda", "nvcc", "cutlass", "arch")
-# The lowest claim exported: below it the library call is faster or ties (bench.TIE; a 1.00x
+# The lowest claim exported: below it the library call is faster or ties (protocol.TIE; a 1.00x
 # kernel dispatched in the Llama MLP example read 0.96x inside the block), so the op runs the
 # library call instead.
 MIN_SPEEDUP = 1.0 + TIE
 
 
 @dataclass(frozen=True)
-class Entry:
+class DispatchEntry:
     """One tuned problem's kernel."""
 
     m: int
@@ -62,13 +62,13 @@ class Entry:
 class DispatchTable:
     """Picks the kernel for a call (see the module docstring)."""
 
-    def __init__(self, entries: list[Entry], versions: dict[str, Any], root: Path | None = None,
+    def __init__(self, entries: list[DispatchEntry], versions: dict[str, Any], root: Path | None = None,
                  library_call: frozenset[tuple] = frozenset()):
         self.entries = entries
         self.versions = versions
         self.root = root
         self.library_call = library_call  # (m, n, k, dtype, layout) measured faster by the library
-        self._by_shape: dict[tuple, list[Entry]] = {}
+        self._by_shape: dict[tuple, list[DispatchEntry]] = {}
         for entry in entries:
             self._by_shape.setdefault((entry.n, entry.k, entry.dtype, entry.layout), []).append(entry)
 
@@ -79,7 +79,7 @@ class DispatchTable:
             raise Cudal2Error(f"{root} is not a cudal2 library (no {INDEX}; make one with `cudal2 export --library`)")
         try:
             data = json.loads(index.read_text())
-            entries = [Entry(**{**e, "verified_m": tuple(e["verified_m"])}) for e in data["entries"]]
+            entries = [DispatchEntry(**{**e, "verified_m": tuple(e["verified_m"])}) for e in data["entries"]]
             library_call = frozenset(tuple(p) for p in data.get("library_call", []))
         except (ValueError, KeyError, TypeError) as exc:
             raise Cudal2Error(f"{index} is not a readable cudal2 library index: {exc}") from None
@@ -92,7 +92,7 @@ class DispatchTable:
                 return f"built for {key} {self.versions.get(key)!r}, this machine has {environment.get(key)!r}"
         return None
 
-    def choose(self, m: int, n: int, k: int, dtype: str, layout: str) -> Entry | None:
+    def choose(self, m: int, n: int, k: int, dtype: str, layout: str) -> DispatchEntry | None:
         if (m, n, k, dtype, layout) in self.library_call:
             return None
         candidates = self._by_shape.get((n, k, dtype, layout), [])
@@ -132,7 +132,7 @@ def export_library(board: Leaderboard, rows: pd.DataFrame, compiler: Compiler, o
         target.with_suffix(".cu").write_text(board.source(row.source_hash))  # what it is, for a reader and `check`
         same = ok[(ok["source_hash"] == row.source_hash) & (ok["n"] == row.n) & (ok["k"] == row.k)
                   & (ok["dtype"] == row.dtype) & (ok["layout"] == row.layout)]
-        entries.append(Entry(int(row.m), int(row.n), int(row.k), row.dtype, row.layout, f"kernels/{target.name}",
+        entries.append(DispatchEntry(int(row.m), int(row.n), int(row.k), row.dtype, row.layout, f"kernels/{target.name}",
                              row.kernel, float(row.speedup_offline), tuple(sorted({int(v) for v in same["m"]}))))
     index = {"versions": versions, "entries": [asdict(e) for e in entries], "library_call": library_call}
     (Path(out) / INDEX).write_text(json.dumps(index, indent=1, default=str))
@@ -164,7 +164,7 @@ def export_best(leaderboard: Leaderboard, results: Path, row: dict[str, Any], mo
         f"// cudal2 best kernel for C[{p.m},{p.n}] = A[{p.m},{p.k}] @ {'B' if p.layout == 'nn' else 'W^T'} "
         f"({p.dtype}, layout {p.layout}, fp32 accumulation)",
         f"// speedup {row[f'speedup_{mode}']:.3f}x over the fastest library call, {row.get('baseline')} "
-        f"({row[f'baseline_{mode}_us']:.2f} us -> {row[f'{mode}_us']:.2f} us, {mode}, bench {row.get('bench')}) "
+        f"({row[f'baseline_{mode}_us']:.2f} us -> {row[f'{mode}_us']:.2f} us, {mode}, protocol {row.get('protocol')}) "
         f"on {row.get('gpu')} ({row.get('arch')})",
         f"// measured {row['time'] if 'time' in row else datetime.now(timezone.utc)}; {origin}",
         f"// build (the flags cudal2 compiles with): {shlex.join(['nvcc', *flags(row.get('arch') or 'sm_90a'), 'kernel.cu', '-o', 'kernel.so'])}",

@@ -13,9 +13,9 @@ import pandas as pd
 from rich.console import Console
 from rich.table import Table
 
-from .bench import STUDY_PROTOCOLS, TIE
-from .leaderboard import best, select
+from .leaderboard import select
 from .problem import Problem
+from .protocol import TIE, best
 
 console = Console(highlight=False)
 err_console = Console(stderr=True, highlight=False)
@@ -55,10 +55,10 @@ def jsonable(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return [{k: clean(v) for k, v in row.items()} for row in rows]
 
 
-def print_bench_table(rows: list[dict[str, Any]], protocol: str, mode: str) -> None:
+def print_bench_table(rows: list[dict[str, Any]], mode: str) -> None:
     """One line per contestant: its time by each method, and its speedup against the fastest
     baseline in each mode (offline: the lower of the kernel and graph ratios)."""
-    offline = ["offline"] if protocol in STUDY_PROTOCOLS else ["kernel", "graph"]
+    offline = ["kernel", "graph"]
     methods = {"offline": offline, "server": ["server"], "both": offline + ["server"]}[mode]
     claims = ["offline", "server"] if mode == "both" else [mode]
     headers = ["kernel", "status"]
@@ -183,7 +183,7 @@ def plain_progress(kind: str, info: dict[str, Any]) -> None:
 # What a report shows of each best kernel: both methods, every baseline, the claim.
 SHAPE_COLUMNS = ["gpu", "m", "n", "k", "dtype", "layout", "kernel", "kernel_us", "graph_us", "baseline",
                  "baseline_offline_us", "speedup_kernel", "speedup_graph", "speedup_vs_cublas", "speedup_vs_cublaslt",
-                 "speedup_vs_torch", "speedup_offline", "tflops", "bench"]
+                 "speedup_vs_torch", "speedup_offline", "tflops", "protocol"]
 
 
 def report_shapes(df: pd.DataFrame, problems: list[Problem], format: str) -> pd.DataFrame:

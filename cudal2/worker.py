@@ -17,8 +17,7 @@ import time
 from multiprocessing.connection import Connection
 from typing import Any
 
-from .baselines import NAMES as BASELINES
-from .bench import STUDY_PROTOCOLS
+from .protocol import BASELINES
 from .environment import gpu_temperature
 from .errors import Cudal2Error
 
@@ -82,9 +81,9 @@ class Worker:
         untimed replays for calls (cuBLAS's) of SOAK_US or more. For
         calls of INTERLEAVE_US or more, the two processes' rounds alternate (twice the budget
         in all), so that clock and thermal drift fall on both methods alike; then each
-        returns its methods' timings. A study protocol's job runs in the graph process alone."""
+        returns its methods' timings."""
         first = self._graph.request(job, timeout)
-        if job["settings"].get("protocol") in STUDY_PROTOCOLS or first.get("status") != "ok":
+        if first.get("status") != "ok":
             return first
         second = self._cupti.request({**job, "phase": "cupti", "cublaslt": first.get("cublaslt")}, timeout)
         if second.get("status") != "ok":
@@ -133,8 +132,6 @@ class Worker:
             results.append(self._graph.request({**job, "op": "kernel", "library": library}, timeout))
             if results[-1].get("status") not in ("ok", "unsupported") or results[-1].get("left_error"):
                 self._graph.close()
-        if job["settings"].get("protocol") in STUDY_PROTOCOLS:
-            return results
         pending = [i for i, result in enumerate(results) if result.get("status") == "ok"]
         alone = False
         while pending:

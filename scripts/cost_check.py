@@ -19,7 +19,7 @@ from cudal2.leaderboard import Leaderboard, shipped
 from cudal2.render import get_template
 
 gpu = sys.argv[2] if len(sys.argv) > 2 else "NVIDIA H200"
-df = Leaderboard(Path(sys.argv[1])).read(bench=None) if len(sys.argv) > 1 and sys.argv[1] != "-" else shipped(None)
+df = Leaderboard(Path(sys.argv[1])).read(protocol=None) if len(sys.argv) > 1 and sys.argv[1] != "-" else shipped(None)
 ok = df[(df["status"] == "ok") & (df["gpu"] == gpu)]
 device = recorded_device(df, gpu)
 top1, top3, rhos = [], [], []

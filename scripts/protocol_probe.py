@@ -152,7 +152,7 @@ def main() -> None:
     args = parser.parse_args()
 
     board = Leaderboard(args.results)
-    rows = board.read(bench=None)
+    rows = board.read(protocol=None)
     winners = best(rows[rows["kernel_us"].notna()], 1)  # the best of every protocol that has CUPTI times
     props = cupy.cuda.runtime.getDeviceProperties(0)
     compiler = Compiler(default_arch(props["major"] * 10 + props["minor"]), load_settings().cache_dir)

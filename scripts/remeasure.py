@@ -49,7 +49,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from cudal2.baselines import build_baselines  # noqa: E402
-from cudal2.bench import PROTOCOL  # noqa: E402
+from cudal2.protocol import PROTOCOL  # noqa: E402
 from cudal2.compile import Compiler  # noqa: E402
 from cudal2.config import load_settings  # noqa: E402
 from cudal2.environment import gpu_temperature  # noqa: E402
@@ -391,7 +391,7 @@ def main() -> None:
     cc = device["cc"]
     compiler = Compiler(f"sm_{cc[0]}{cc[1]}a" if cc[0] in (9, 10) else f"sm_{cc[0]}{cc[1]}", args.cache)
     board = Leaderboard(args.results)
-    winners = best(select(board.read(), bench=PROTOCOL, gpu=device["gpu"]), 1)
+    winners = best(select(board.read(), protocol=PROTOCOL, gpu=device["gpu"]), 1)
     records = []
     for p in read_shapes(args.shapes):
         found = select(winners, m=p.m, n=p.n, k=p.k, dtype=p.dtype, layout=p.layout)

@@ -21,7 +21,7 @@ parser.add_argument("results", type=Path, nargs="?", default=Path("results"))
 args = parser.parse_args()
 if not (args.results / "leaderboard").is_dir():
     sys.exit(f"{args.results} holds no leaderboard: nothing to ship (the shipped file is left as it was)")
-table = compact(Leaderboard(args.results).read(bench=None))
+table = compact(Leaderboard(args.results).read(protocol=None))
 if table.num_rows == 0:
     sys.exit(f"{args.results}'s leaderboard has no verified template rows: the shipped file is left as it was")
 SHIPPED.parent.mkdir(parents=True, exist_ok=True)

@@ -157,11 +157,7 @@ def test_speedups_are_against_the_fastest_baseline_of_each_method():
     assert row["cublaslt_graph_us"] == 10.6 and row["torch_kernel_us"] == 9.8
 
 
-def test_a_study_protocol_row_keeps_cublas_as_its_baseline():
-    timings = {"offline": {"kernel": timing(8.0), "cuBLAS": timing(10.0), "torch.matmul": timing(9.0)}}
-    row = timing_columns(timings, "kernel", flops=1)
-    assert row["speedup_offline"] == pytest.approx(1.25) and row["baseline"] == "cuBLAS"
-    assert "torch_offline_us" not in row
+
 
 
 class StandInLt:
@@ -479,10 +475,6 @@ def test_a_kernel_below_the_physical_limit_is_rejected_at_the_finish_and_the_oth
     assert [r["status"] for r in results] == ["ok", "cheat"] and "physical" in results[1]["error"]
 
 
-def test_a_study_protocol_stays_in_the_graph_process():
-    worker, log = two_phase_worker(lambda j: {"status": "ok", "timings": {"offline": {}}}, lambda j: pytest.fail("cupti"))
-    assert worker.measure(job("fenced"), ["k.so"], 10)[0]["timings"] == {"offline": {}} and len(log) == 1
-    assert worker.request(job("fenced", op="baselines"), 10)["timings"] == {"offline": {}} and len(log) == 2
 
 
 def test_after_a_fault_the_next_kernel_is_verified_in_a_fresh_process():

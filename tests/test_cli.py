@@ -193,14 +193,20 @@ def test_a_results_directory_without_a_leaderboard_is_an_error(tmp_path):
     one_line_error(run("leaderboard", "--results", tmp_path / "nowhere"), "no leaderboard in")
 
 
+def test_a_script_reads_an_empty_results_directory_as_an_empty_list(tmp_path):
+    """`--format json` tells "nothing measured yet" (an empty list, exit 0) from an error."""
+    result = run("leaderboard", "--results", tmp_path / "nowhere", "--format", "json")
+    assert result.exit_code == 0 and json.loads(result.output) == []
+
+
 def test_leaderboard_shows_one_protocol_and_never_mixes_them(tmp_path):
     lb = Leaderboard(tmp_path)
-    lb.append([row("before", 1.4, bench="back-to-back"), row("fenced", 1.1, bench="fenced"),
-               row("only before", 1.2, m=64, bench="back-to-back"), row("now", 1.01)])
+    lb.append([row("before", 1.4, protocol="back-to-back"), row("fenced", 1.1, protocol="fenced"),
+               row("only before", 1.2, m=64, protocol="back-to-back"), row("now", 1.01)])
     # The protocol's rows alone by default: a problem measured only by an earlier protocol
     # is not shown, and its flattering number never stands beside the protocol's.
     shown = json.loads(run("leaderboard", "--results", tmp_path, "--format", "json").output)
-    assert [(r["kernel"], r["bench"]) for r in shown] == [("now", "cupti-graph-3")]
+    assert [(r["kernel"], r["protocol"]) for r in shown] == [("now", "cupti-graph-3")]
     before = json.loads(run("leaderboard", "--results", tmp_path, "--bench", "back-to-back", "--format", "json").output)
     assert [r["kernel"] for r in before] == ["only before", "before"]
     shapes = tmp_path / "shapes.csv"
@@ -209,7 +215,7 @@ def test_leaderboard_shows_one_protocol_and_never_mixes_them(tmp_path):
     assert [r["kernel"] for r in report["rows"]] == ["(none measured)", "now"]
     assert report["summary"]["geomean_speedup"] == pytest.approx(1.01)
     assert (report["summary"]["wins"], report["summary"]["ties"]) == (0, 1)  # 1.01 is inside the runs' spread
-    one_line_error(run("leaderboard", "--results", tmp_path, "--bench", "warm"), "unknown --bench 'warm'")
+    one_line_error(run("leaderboard", "--results", tmp_path, "--protocol", "warm"), "unknown --protocol 'warm'")
 
 
 def test_leaderboard_reports_a_model_preset(tmp_path):
@@ -230,7 +236,7 @@ def test_report_writes_a_self_contained_page_with_its_plots(tmp_path):
               "speedup_vs_torch": 1.07, "tflops": 800.0, "sm_count": 132, "max_sm_clock_mhz": 1980, "cc": 90,
               "compile_s": 60.0, "template": "sm90_cutlass"}
     lb.append([row("fast", 1.05, **common), row("decode", 0.97, m=16, **{**common, "template": "sm80_mma"}),
-               row("old", 2.0, m=8, bench="fenced", **common)])
+               row("old", 2.0, m=8, protocol="fenced", **common)])
     out = tmp_path / "report"
     result = run("report", "--out", out, "--results", tmp_path)
     assert result.exit_code == 0, result.output

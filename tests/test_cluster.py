@@ -38,7 +38,7 @@ def stand_in_task(problem, options, settings, seed=None):
     source = f"// kernel for {problem}"
     row = {"run_id": "r", "gpu": "NVIDIA H200", "m": problem["m"], "n": problem["n"], "k": problem["k"],
            "dtype": problem["dtype"], "layout": problem["layout"], "kernel": "k", "status": "ok",
-           "speedup_offline": 1.0, "source_hash": source_hash(source), "bench": "cupti-graph-3",
+           "speedup_offline": 1.0, "source_hash": source_hash(source), "protocol": "cupti-graph-3",
            "proposer": worker, "registers": None}
     return {"rows": [row], "sources": {source_hash(source): source}, "host": worker}
 
@@ -56,7 +56,7 @@ def test_every_shape_is_tuned_once_on_a_gpu_worker_and_merged_at_the_head(client
     Leaderboard(tmp_path).append([{"run_id": "earlier", "gpu": "NVIDIA H200", "m": 32, "n": 32, "k": 32,
                                    "dtype": "fp16", "layout": "nn", "kernel": "old", "status": "ok",
                                    "template": "sm80_mma", "params": "{}", "speedup_offline": 1.0,
-                                   "bench": "cupti-graph-3"}])
+                                   "protocol": "cupti-graph-3"}])
     SEEDS.clear()
     heard = []
     lock = threading.Lock()
@@ -125,7 +125,7 @@ def test_a_task_starts_from_the_head_s_rows_and_returns_only_its_own(tmp_path, m
     head = Leaderboard(tmp_path / "head")
     head.append([{"run_id": "earlier", "gpu": "NVIDIA H200", "m": 32, "n": 32, "k": 32, "dtype": "fp16",
                   "layout": "nn", "kernel": "old", "status": "ok", "template": "sm80_mma", "params": "{}",
-                  "speedup_offline": 1.0, "bench": "cupti-graph-3"}])
+                  "speedup_offline": 1.0, "protocol": "cupti-graph-3"}])
     seen = {}
 
     def optimize(problems, settings, **options):
@@ -133,7 +133,7 @@ def test_a_task_starts_from_the_head_s_rows_and_returns_only_its_own(tmp_path, m
         seen["priors"] = list(board.read()["kernel"])  # what the search would start from
         board.store_source("// new")
         board.append([{"run_id": "new", "gpu": "NVIDIA H200", "m": problems[0].m, "n": 64, "k": 64,
-                       "dtype": "fp16", "layout": "nn", "kernel": "new", "status": "ok", "bench": "cupti-graph-3",
+                       "dtype": "fp16", "layout": "nn", "kernel": "new", "status": "ok", "protocol": "cupti-graph-3",
                        "source_hash": source_hash("// new")}])
 
     monkeypatch.setattr(cudal2.api, "optimize", optimize)

@@ -105,7 +105,7 @@ def test_ranking_agrees_with_the_recorded_h200_measurements():
     from cudal2.cost import measured_configurations
     from cudal2.leaderboard import shipped
 
-    df = shipped(bench=None)
+    df = shipped(protocol=None)
     checked = 0
     for problem, measured in measured_configurations(df, "NVIDIA H200").items():
         if len(measured) < 10:

@@ -5,7 +5,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from cudal2.bench import PROTOCOL
+from cudal2.protocol import PROTOCOL
 from cudal2.errors import Cudal2Error
 from cudal2.leaderboard import COLUMNS, SCHEMA, Leaderboard, best
 
@@ -14,7 +14,7 @@ def row(kernel, speedup, status="ok", m=4096, source_hash=None, **extra):
     return {"run_id": "r1", "gpu": "NVIDIA H200", "m": m, "n": 4096, "k": 4096, "dtype": "fp16",
             "layout": "nn", "kernel": kernel, "status": status, "speedup_offline": speedup,
             "offline_us": 180.0 / speedup if speedup else None, "baseline_offline_us": 180.0,
-            "baseline": "cuBLASLt", "source_hash": source_hash or kernel, "bench": PROTOCOL, **extra}
+            "baseline": "cuBLASLt", "source_hash": source_hash or kernel, "protocol": PROTOCOL, **extra}
 
 
 def test_parts_are_plain_parquet_readable_by_pandas(tmp_path):
@@ -101,51 +101,62 @@ def test_sources_are_stored_by_content_hash(tmp_path):
     assert os.listdir(tmp_path / "sources") == [f"{digest}.cu"]
 
 
-def test_parts_from_before_the_bench_column_read_as_back_to_back(tmp_path):
+def test_parts_from_before_the_protocol_column_read_as_back_to_back(tmp_path):
     """Offline times taken before the fence (cudal2/bench.py) stay marked as such: their
     speedups are not comparable with fenced ones for kernels that launch early."""
     lb = Leaderboard(tmp_path)
-    lb.append([row("new", 1.0, bench="fenced")])
+    lb.append([row("new", 1.0, protocol="fenced")])
     old = lb.append([row("old", 0.9)])
-    pq.write_table(pq.read_table(old).drop_columns(["bench"]), old)  # as parts were written before
-    assert "bench" not in pq.read_table(old).column_names
-    df = lb.read(bench=None).set_index("kernel")
-    assert df.loc["new", "bench"] == "fenced" and df.loc["old", "bench"] == "back-to-back"
+    pq.write_table(pq.read_table(old).drop_columns(["protocol"]), old)  # as parts were written before
+    assert "protocol" not in pq.read_table(old).column_names
+    df = lb.read(protocol=None).set_index("kernel")
+    assert df.loc["new", "protocol"] == "fenced" and df.loc["old", "protocol"] == "back-to-back"
 
 
 def write_old_part(lb, rows, columns):
-    """A part as an earlier version wrote it: only `columns` of today's schema."""
-    table = pa.Table.from_pylist([{c: r.get(c) for c in columns} for r in rows],
-                                 schema=pa.schema([SCHEMA.field(c) for c in columns]))
+    """A part as an earlier version wrote it: only `columns` of today's schema, the
+    protocol's name in a column then called `bench`."""
+    fields = [SCHEMA.field(c).with_name("bench" if c == "protocol" else c) for c in columns]
+    table = pa.Table.from_pylist([{f.name: r.get(c) for f, c in zip(fields, columns)} for r in rows],
+                                 schema=pa.schema(fields))
     lb.parts.mkdir(parents=True, exist_ok=True)
     pq.write_table(table, lb.parts / f"part-old-{len(list(lb.parts.iterdir()))}.parquet")
 
 
 def test_old_parts_migrate_into_one_part_of_the_current_schema(tmp_path):
-    """Parts of earlier versions (without the protocol's columns, one without even `bench`)
-    become one part with today's schema: pandas, pyarrow and polars-style readers of the
-    directory see every row with every column."""
+    """Parts of earlier versions (without the protocol's columns, one without even the
+    protocol's name, one with it in a column named `bench`) become one part with today's
+    schema: pandas, pyarrow and polars-style readers of the directory see every row with
+    every column, the protocol's name under `protocol`."""
     lb = Leaderboard(tmp_path)
-    before_bench = COLUMNS[:COLUMNS.index("bench")]
-    write_old_part(lb, [row("ancient", 0.9)], before_bench)
-    write_old_part(lb, [row("fenced", 1.1, bench="fenced")], before_bench + ["bench"])
+    before_protocol = COLUMNS[:COLUMNS.index("protocol")]
+    write_old_part(lb, [row("ancient", 0.9)], before_protocol)
+    write_old_part(lb, [row("fenced", 1.1, protocol="fenced")], before_protocol + ["protocol"])
+    assert "bench" in pq.read_schema(sorted(lb.parts.glob("*.parquet"))[-1]).names
     lb.append([row("new", 1.05, kernel_us=171.0, graph_us=172.0)])
+    assert sorted(lb.read(protocol=None)["protocol"]) == ["back-to-back", PROTOCOL, "fenced"]  # read as today's
     assert lb.migrate() == (3, 3)
     [part] = lb.parts.glob("*.parquet")
-    assert pq.read_schema(part).names == COLUMNS
+    assert pq.read_schema(part).names == COLUMNS and "bench" not in COLUMNS
     direct = pd.read_parquet(lb.parts).set_index("kernel")
-    assert direct.loc["ancient", "bench"] == "back-to-back" and direct.loc["fenced", "bench"] == "fenced"
+    assert direct.loc["ancient", "protocol"] == "back-to-back" and direct.loc["fenced", "protocol"] == "fenced"
     assert direct.loc["new", "graph_us"] == 172.0 and pd.isna(direct.loc["fenced", "graph_us"])
     assert list(lb.read()["kernel"]) == ["new"]  # the protocol's rows only, unless asked
     assert lb.migrate() == (1, 3)  # idempotent
 
 
+def test_the_shipped_measurements_are_in_the_current_schema():
+    from cudal2.leaderboard import SHIPPED
+
+    assert pq.read_schema(SHIPPED).names == COLUMNS
+
+
 def test_rows_of_earlier_protocols_are_never_ranked_with_the_protocols(tmp_path):
     lb = Leaderboard(tmp_path)
-    lb.append([row("fenced 2x", 2.0, bench="fenced"), row("honest", 1.02)])
+    lb.append([row("fenced 2x", 2.0, protocol="fenced"), row("honest", 1.02)])
     assert list(best(lb.read())["kernel"]) == ["honest"]
-    both = best(lb.read(bench=None))
-    assert sorted(zip(both["bench"], both["kernel"])) == [("cupti-graph-3", "honest"), ("fenced", "fenced 2x")]
+    both = best(lb.read(protocol=None))
+    assert sorted(zip(both["protocol"], both["kernel"])) == [("cupti-graph-3", "honest"), ("fenced", "fenced 2x")]
 
 
 def test_the_shipped_measurements_keep_verified_configurations_without_logs_or_sources(tmp_path):
@@ -177,7 +188,7 @@ def test_the_search_starts_from_this_gpu_s_measurements_here_and_shipped(tmp_pat
     assert [r["kernel"] for r in mine] == ["here"]  # one row per configuration, its best; no other GPU
     # the shipped measurements of this protocol on this GPU come along (a fresh machine starts from them)
     ours = shipped()
-    assert len(ours) and set(ours["bench"]) == {PROTOCOL}
+    assert len(ours) and set(ours["protocol"]) == {PROTOCOL}
     assert len(found) - len(mine) == len(ours[ours["gpu"] == "NVIDIA H200"].drop_duplicates(
         ["m", "n", "k", "dtype", "layout", "template", "params"]))
     assert priors(lb.read(), "NVIDIA B200") == []
@@ -188,11 +199,11 @@ def test_a_fresh_machine_re_measures_what_was_shipped_for_its_gpu(tmp_path):
     from cudal2.leaderboard import shipped
     from cudal2.problem import Problem
 
-    rows = shipped(bench=None)
+    rows = shipped(protocol=None)
     rows = rows[rows["gpu"] == "NVIDIA H200"]
     problem = Problem(128, 64, 64)  # a dev-set row measured by every protocol
     found = known_candidates(problem, Leaderboard(tmp_path), rows, 90, top=1)
-    protocols = set(rows[(rows["m"] == 128) & (rows["n"] == 64) & (rows["k"] == 64)]["bench"])
+    protocols = set(rows[(rows["m"] == 128) & (rows["n"] == 64) & (rows["k"] == 64)]["protocol"])
     assert 1 <= len(found) <= len(protocols) and all(c.template for c in found)
 
 
@@ -207,7 +218,7 @@ def test_the_leaderboard_says_what_each_proposer_contributed(tmp_path):
     lb.append([row("cuBLAS", 1.0, proposer="baseline"), row("s1", 0.9, proposer="search"),
                row("s2", 1.2, proposer="search", m=2048), row("l1", 1.1, proposer="llm", run_id="r2"),
                row("l2", None, status="wrong", proposer="llm", run_id="r2", error="max error"),
-               row("old", 3.0, proposer="llm", run_id="r0", bench="fenced")])  # another protocol: not counted
+               row("old", 3.0, proposer="llm", run_id="r0", protocol="fenced")])  # another protocol: not counted
     usage = tmp_path / "runs" / "r2" / "gpu0" / "llm-usage.jsonl"
     usage.parent.mkdir(parents=True)
     usage.write_text('{"round": 1, "total_tokens": 9000}\n{"round": 2, "total_tokens": 7000}\n')

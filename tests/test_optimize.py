@@ -14,7 +14,7 @@ import pytest
 from typer.testing import CliRunner
 
 from cudal2.baselines import cublas_location
-from cudal2.bench import PROTOCOL
+from cudal2.protocol import PROTOCOL
 from cudal2.candidate import Candidate, Invalid
 from cudal2.cli import app
 from cudal2.errors import Cudal2Error
@@ -116,7 +116,7 @@ def test_loop_measures_batches_records_rows_and_exports_the_best(tmp_path, compi
     assert 'extern "C" int cudal2_gemm(' in exported
     recorded = ctx.leaderboard.read()
     assert len(recorded) == 6  # every row recorded as measured
-    assert set(recorded["bench"]) == {PROTOCOL}  # and how it was timed
+    assert set(recorded["protocol"]) == {PROTOCOL}  # and how it was timed
     assert len(list(ctx.leaderboard.parts.glob("*.parquet"))) == 3  # one part per batch (and the baselines)
     assert out.compile_s > 0 and out.wall_s >= out.gpu_s
 
@@ -484,6 +484,36 @@ def test_a_kernel_measured_ahead_of_its_batch_is_recorded_in_the_batch_s_one_par
     assert len(parts) == 2
     kernels = Leaderboard(tmp_path / "results").read()["kernel"]
     assert sorted(kernels[~kernels.isin(BASELINES)]) == sorted([str(quick), str(other)])
+
+
+def test_the_proposer_is_shown_as_pending_only_what_is_not_measured_yet(tmp_path):
+    """A kernel measured ahead of its batch (while the other compiles) is measured, not
+    pending, when the next batch is proposed; and once its batch is measured no candidate of
+    it is shown as pending again."""
+    from cudal2.compile import Compiler
+
+    compiler = Compiler("sm_90a", tmp_path / "cache")
+    problem = Problem(256, 256, 256)
+    quick = template_candidate("sm80_mma", {}, 90)
+    compiler.compile(render(quick, problem))  # built: measured at once, ahead of its batch
+    other = template_candidate("sm80_mma", {"stages": "3"}, 90)
+    third = template_candidate("sm80_mma", {"stages": "2"}, 90)
+    seen = []
+
+    class Recording(Scripted):
+        def propose(self, problem, history, n):
+            seen.append(list(history))
+            return super().propose(problem, history, n)
+
+    out = optimize(context(tmp_path, compiler, StandInWorker()), Recording([quick, other], [third], []),
+                   Budget(iterations=3, batch=2, patience=None))
+    assert out.stopped == "the proposer has nothing new" and len(seen) == 3
+    for history in seen:
+        measured = {r["kernel"] for r in history if r["status"] != "pending"}
+        pending = {r["kernel"] for r in history if r["status"] == "pending"}
+        assert not measured & pending, (measured & pending)
+    assert {r["kernel"] for r in seen[1] if r["status"] == "pending"} == {str(other)}  # compiled ahead, not yet measured
+    assert not [r for r in seen[2] if r["status"] == "pending" and r["kernel"] != str(third)]
 
 
 def test_a_kernel_built_while_its_batch_compiles_is_measured_at_once(tmp_path):

@@ -18,7 +18,7 @@ from cudal2.render import get_template, load_templates, render, template_candida
 def measured(rows):
     base = {"gpu": "NVIDIA H200", "cc": 90, "sm_count": 132, "max_sm_clock_mhz": 1980, "status": "ok",
             "template": "sm80_mma", "dtype": "fp16", "layout": "nn", "m": 512, "n": 512, "k": 512,
-            "bench": "cupti-graph-3"}
+            "protocol": "cupti-graph-3"}
     return pd.DataFrame([{**base, **r} for r in rows])
 
 
@@ -32,7 +32,7 @@ def test_the_set_holds_the_near_best_of_every_measured_problem_and_the_cost_mode
         {"params": sm80(stages=4), "speedup_offline": 1.085},  # within 2%: in
         {"params": sm80(stages=2), "speedup_offline": 1.00},   # 9% behind: out
         # another protocol's rows are compared among themselves: its best is in
-        {"params": sm80(stages=2), "speedup_offline": 0.70, "bench": "fenced", "dtype": "bf16", "layout": "nt"},
+        {"params": sm80(stages=2), "speedup_offline": 0.70, "protocol": "fenced", "dtype": "bf16", "layout": "nt"},
         {"params": sm80(stages=5), "speedup_offline": 2.00, "cc": 80, "gpu": "NVIDIA A100"},  # another arch: out
     ])
     entries = prebuilt.kernel_set(90, rows)

@@ -5,7 +5,7 @@ import warnings
 
 import pytest
 
-from cudal2.runtime import DispatchTable, Entry, serving
+from cudal2.runtime import DispatchEntry, DispatchTable, serving
 from cudal2.errors import Cudal2Error
 
 from conftest import ROOT
@@ -16,7 +16,7 @@ VERSIONS = {"gpu": "NVIDIA H200", "driver": "580.159.04", "cuda": "13.0", "nvcc"
 
 
 def entry(m, verified=None, n=4096, k=4096):
-    return Entry(m, n, k, "bf16", "nt", f"kernels/{m}.so", f"kernel-{m}", 1.05, tuple(verified or (m,)))
+    return DispatchEntry(m, n, k, "bf16", "nt", f"kernels/{m}.so", f"kernel-{m}", 1.05, tuple(verified or (m,)))
 
 
 def test_the_exact_problem_first_then_the_nearest_m_where_verified_else_none():

@@ -8,7 +8,7 @@ from cudal2.shapes import MODELS, preset, read_shapes, shape_set
 
 
 def test_llama3_8b_preset_is_the_dev_sets_projections():
-    # ../shared/shapes/dev.csv's llama3-8b rows at 16 tokens: qkv, o, gate+up, down.
+    # tests/shapes/dev.csv's llama3-8b rows at 16 tokens: qkv, o, gate+up, down.
     assert preset("llama3-8b", "16") == [Problem(16, 6144, 4096, "bf16", "nt"), Problem(16, 4096, 4096, "bf16", "nt"),
                                          Problem(16, 28672, 4096, "bf16", "nt"), Problem(16, 4096, 14336, "bf16", "nt")]
     assert len(preset("llama3-70b", "1,16,128,4096")) == 16

@@ -9,16 +9,17 @@ from typing import Annotated, Optional
 
 import typer
 
-from .. import api
+from .. import api, prebuilt
 from .. import render as render_stage
 from ..candidate import Candidate
-from ..compile import Compiler, find_nvcc
+from ..compile import Compiler, find_nvcc, first_error_line
 from ..config import load_settings
 from ..errors import Cudal2Error
-from ..leaderboard import Leaderboard
+from ..leaderboard import Leaderboard, with_shipped
 from ..problem import Problem
 from ..tables import err_console, fmt, show_table
-from . import Arch, Dtype, Json, Kernels, Layout, Params, Results, TemplateOpt, app, cli_errors, parse_params, read_kernel_file
+from .options import (Arch, Dtype, Json, Kernels, Layout, Params, Results, TemplateOpt, app, cli_errors, parse_params,
+               read_kernel_file)
 
 @app.command("compile")
 @cli_errors
@@ -68,7 +69,7 @@ def compile_cmd(
         show_table(columns, [[fmt(r[c]) for c in columns] for r in records])
         for r in records:
             if r["error"]:
-                err_console.print(f"{r['kernel']}: {api.first_error_line(r['error']) if r['error'].strip() else r['status']}")
+                err_console.print(f"{r['kernel']}: {first_error_line(r['error']) if r['error'].strip() else r['status']}")
     if any(b.status != "ok" for b in builds):
         raise typer.Exit(1)
 
@@ -88,9 +89,6 @@ def prebuild(
     """Compile the prebuilt kernel set of an architecture into the kernel cache (no GPU
     needed): every configuration within 2% of the best on a measured problem, plus the cost
     model's best per region. What is cached already is skipped, so a stopped build resumes."""
-    from .. import prebuilt
-    from ..leaderboard import with_shipped
-
     settings = load_settings({"arch": arch, "jobs": jobs, "results": results})
     if unpack is not None:
         added = prebuilt.unpack(unpack, settings.cache_dir)
@@ -98,7 +96,7 @@ def prebuild(
         return
     if settings.arch is None:
         raise Cudal2Error("prebuild needs --arch (e.g. sm_90a) or CUDAL2_ARCH")
-    measured = with_shipped(Leaderboard(settings.results).read(bench=None))
+    measured = with_shipped(Leaderboard(settings.results).read(protocol=None))
     entries = prebuilt.kernel_set(render_stage.arch_cc(settings.arch), measured)
     if not entries:
         raise Cudal2Error(f"no measurements of a {settings.arch} GPU to choose a kernel set from")

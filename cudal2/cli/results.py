@@ -10,14 +10,14 @@ import pandas as pd
 import typer
 
 from .. import api
-from ..bench import PROTOCOL, PROTOCOLS, STUDY_PROTOCOLS
 from ..config import load_settings
 from ..errors import Cudal2Error
-from ..leaderboard import STATUSES, Leaderboard, best, select
-from ..runtime import MIN_SPEEDUP
+from ..leaderboard import STATUSES, Leaderboard, best, contributions, select
+from ..protocol import EARLIER_PROTOCOLS, PROTOCOL, PROTOCOLS
+from ..runtime import MIN_SPEEDUP, DispatchTable, export_best
 from ..shapes import shape_set
 from ..tables import SHAPE_COLUMNS, emit_frame, fmt, jsonable, report_shapes, show_table
-from . import Json, ModelOpt, Results, TokensOpt, app, cli_errors
+from .options import Json, ModelOpt, Results, TokensOpt, app, cli_errors
 
 @app.command("leaderboard")
 @cli_errors
@@ -30,9 +30,10 @@ def leaderboard_cmd(
     layout: Annotated[Optional[str], typer.Option()] = None,
     status: Annotated[Optional[str], typer.Option(help=f"show rows of this status: {' | '.join(STATUSES)}")] = None,
     top: Annotated[int, typer.Option(help="kernels per problem")] = 1,
-    bench: Annotated[str, typer.Option(
-        help=f"rows of this bench protocol: {PROTOCOL} (this version's) | {' | '.join(STUDY_PROTOCOLS)} "
-             "(earlier protocols, never ranked with it)")] = PROTOCOL,
+    protocol: Annotated[str, typer.Option(
+        "--protocol", "--bench",
+        help=f"rows of this bench protocol: {PROTOCOL} (this version's) | {' | '.join(EARLIER_PROTOCOLS)} "
+             "(earlier versions', never ranked with it)")] = PROTOCOL,
     format: Annotated[str, typer.Option(help="table | csv | json | markdown")] = "table",
     shapes: Annotated[Optional[Path], typer.Option(
         help="a shape set (CSV with columns m, n, k[, dtype, layout]): its rows only, in its order, "
@@ -60,8 +61,8 @@ def leaderboard_cmd(
         raise Cudal2Error(f"unknown status {status!r}; choose one of {', '.join(STATUSES)}")
     if top < 1:
         raise Cudal2Error(f"--top must be >= 1, got {top}")
-    if bench not in PROTOCOLS:
-        raise Cudal2Error(f"unknown --bench {bench!r}; choose {', '.join(PROTOCOLS)}")
+    if protocol not in PROTOCOLS:
+        raise Cudal2Error(f"unknown --protocol {protocol!r}; choose {', '.join(PROTOCOLS)}")
     if export and status is not None:
         raise Cudal2Error("--export writes the best kernels; it does not combine with --status")
     settings = load_settings({"results": results})
@@ -69,14 +70,16 @@ def leaderboard_cmd(
     if migrate:
         replaced, count = board.migrate()
         typer.echo(f"migrated {replaced} part(s), {count} rows, into one part of the current schema", err=True)
+    if not board.parts.exists() and format == "json":  # nothing measured yet: an empty list, not an error
+        print("[]")
+        return
     if not board.parts.exists():
         raise Cudal2Error(f"no leaderboard in {settings.results} (nothing measured there yet, or another --results)")
-    df = select(board.read(bench), m=m, n=n, k=k, dtype=dtype, layout=layout)
+    df = select(board.read(protocol), m=m, n=n, k=k, dtype=dtype, layout=layout)
     if gpu is not None:  # 'H200' finds 'NVIDIA H200'
         df = df[df["gpu"].fillna("").str.contains(gpu, case=False, regex=False)]
     keys = ["gpu", "m", "n", "k", "dtype", "layout"]
     if proposers:
-        from ..leaderboard import contributions
 
         emit_frame(contributions(df, settings.results), format)
         return
@@ -101,8 +104,6 @@ def leaderboard_cmd(
 
 def export_rows(board: Leaderboard, results: Path, rows: pd.DataFrame) -> None:
     """Each best-kernel row as a self-contained .cu file (stderr says where)."""
-    from ..runtime import export_best
-
     paths = [export_best(board, results, row) for row in rows.to_dict("records") if row.get("source_hash")]
     typer.echo(f"exported {len(paths)} kernel(s) to {results / 'best'}", err=True)
 
@@ -130,8 +131,6 @@ def check(
     if library is not None and (shapes is not None or model is not None):
         raise Cudal2Error("--library checks the kernels a library serves: drop --shapes and --model")
     if library is not None:
-        from ..runtime import DispatchTable
-
         DispatchTable.load(library)  # not a library: one line, before the GPU is touched
     settings = load_settings({"results": results})
     outcome = api.check(shape_set(shapes, model, tokens, dtype), fail_under=threshold, settings=settings,
@@ -157,15 +156,17 @@ def report(
     model: ModelOpt = None,
     tokens: TokensOpt = None,
     dtype: Annotated[Optional[str], typer.Option(help="a preset's dtype (default bf16)")] = None,
-    bench: Annotated[str, typer.Option(help=f"the rows of this bench protocol ({' | '.join(PROTOCOLS)})")] = PROTOCOL,
+    protocol: Annotated[str, typer.Option(
+        "--protocol", "--bench", help=f"the rows of this bench protocol ({' | '.join(PROTOCOLS)})")] = PROTOCOL,
     results: Results = None,
 ) -> None:
     """Write a self-contained HTML page with plots: speedup per shape against each baseline,
     achieved TFLOP/s against the roof, which template wins where, tuning cost."""
-    if bench not in PROTOCOLS:
-        raise Cudal2Error(f"unknown --bench {bench!r}; choose {', '.join(PROTOCOLS)}")
+    if protocol not in PROTOCOLS:
+        raise Cudal2Error(f"unknown --protocol {protocol!r}; choose {', '.join(PROTOCOLS)}")
     settings = load_settings({"results": results})
-    page = api.report(out, shapes=shape_set(shapes, model, tokens, dtype), results=settings.results, bench=bench)
+    page = api.report(out, shapes=shape_set(shapes, model, tokens, dtype), results=settings.results,
+                      protocol=protocol)
     print(page)
 
 

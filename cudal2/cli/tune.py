@@ -9,14 +9,15 @@ from typing import Annotated, Any, Optional
 import typer
 
 from .. import api
-from ..bench import PROTOCOL, PROTOCOLS, STUDY_PROTOCOLS
+from ..cluster import optimize_on_cluster
 from ..config import load_settings
 from ..errors import Cudal2Error
-from ..leaderboard import BASELINES
+from ..llm import load_llm_settings
 from ..problem import DTYPES, Problem
+from ..protocol import PROTOCOL, best_row
 from ..tables import (console, err_console, fmt, jsonable, optimize_summary, print_bench_table, print_optimize_summary,
                       progress_display, set_summary, verdict_line)
-from . import (Arch, Dtype, Json, K, Kernels, Layout, M, ModelOpt, N, Params, Results, ShapesOpt, TemplateOpt,
+from .options import (Arch, Dtype, Json, K, Kernels, Layout, M, ModelOpt, N, Params, Results, ShapesOpt, TemplateOpt,
                TokensOpt, app, cli_errors, parse_params, problems_of, read_kernel_file)
 
 @app.command()
@@ -31,10 +32,6 @@ def bench(
     param: Params = None,
     budget: Annotated[Optional[float], typer.Option(help="seconds of timing per method and kernel")] = None,
     qps: Annotated[Optional[float], typer.Option(help="server mode: mean calls per second")] = None,
-    bench_protocol: Annotated[str, typer.Option("--bench", help=(
-        f"how to time: {PROTOCOL} (CUPTI device time and in-graph time against cuBLAS, cuBLASLt autotuned "
-        f"and torch.matmul) | {' | '.join(STUDY_PROTOCOLS)} (earlier protocols, for study: against cuBLAS, "
-        "never ranked with the protocol's rows)"))] = PROTOCOL,
     top: Annotated[Optional[int], typer.Option(
         help="without --kernel/--template: only the leaderboard's N fastest kernels of this problem per "
              "bench protocol (to re-measure them), no template defaults")] = None,
@@ -53,8 +50,6 @@ def bench(
     """
     if mode not in ("offline", "server", "both"):
         raise Cudal2Error(f"unknown mode {mode!r}; choose offline, server or both")
-    if bench_protocol not in PROTOCOLS:
-        raise Cudal2Error(f"unknown --bench {bench_protocol!r}; choose {', '.join(PROTOCOLS)}")
     if top is not None and top < 1:
         raise Cudal2Error(f"--top must be >= 1, got {top}")
     problem = Problem.parse(m, n, k, dtype, layout)
@@ -66,15 +61,15 @@ def bench(
 
     def started(env: dict[str, Any], count: int) -> None:
         if not json_out:
-            console.print(f"{problem} on {env['gpu']} (sm_{env['cc']}), {mode} mode, {bench_protocol}, {count} kernel(s)")
+            console.print(f"{problem} on {env['gpu']} (sm_{env['cc']}), {mode} mode, {PROTOCOL}, {count} kernel(s)")
 
-    result = api.bench(problem, kernels=named, template=template, grid=grid, mode=mode, protocol=bench_protocol,
+    result = api.bench(problem, kernels=named, template=template, grid=grid, mode=mode,
                        top=top, settings=settings, on_start=started)
     env, rows = result.environment, result.rows
     if json_out:
         print(json.dumps({"problem": problem.__dict__, "environment": env, "rows": jsonable(rows)}, indent=1))
     else:
-        print_bench_table(rows, bench_protocol, mode)
+        print_bench_table(rows, mode)
 
 
 @app.command()
@@ -136,48 +131,52 @@ def optimize(
         if proposer != "search" or gpus or template or param:
             raise Cudal2Error("--cluster runs the search proposer on every worker's GPU: drop --proposer, --gpus, "
                               "--template and --param")
-        from ..cluster import optimize_on_cluster
-
-        def done(problem, result) -> None:
-            best = max((r.get("speedup_offline") or 0.0 for r in result["rows"]
-                        if r.get("status") == "ok" and r.get("kernel") not in BASELINES), default=None)
-            err_console.print(f"{problem} on {result.get('host', '?')}: " + (
-                result["error"] if result.get("error") else f"{len(result['rows'])} rows, best {fmt(best, 3)}"))
-
-        finished = optimize_on_cluster(problems, cluster, settings=settings, on_done=done, options={
+        _tune_on_cluster(problems, cluster, settings, {
             "iterations": iterations, "batch": batch, "time_budget": time_budget, "patience": patience,
             "seed": seed, "mode": mode, "remeasure": remeasure})
-        failed = [f for f in finished if f.get("error")]
-        print(f"{len(finished) - len(failed)} of {len(problems)} shapes tuned on the cluster; rows in {settings.results}"
-              f"; `cudal2 leaderboard --shapes` reports them")
-        if failed:
-            raise typer.Exit(1)
         return
     llm_settings = None
     if proposer != "search":
-        from ..llm import load_llm_settings
-
         llm_settings = load_llm_settings({"model": llm_model, "base_url": base_url})
     with progress_display(json_out, len(problems) * iterations * batch) as on_event:
         tuned = api.optimize(problems, proposer=proposer, iterations=iterations, batch=batch, time_budget=time_budget,
                              patience=patience, seed=seed, llm_settings=llm_settings, replay=replay,
                              template=template, grid=parse_params(param), mode=mode, remeasure=remeasure,
-                             settings=settings, gpus=api.gpu_indices(gpus), on_event=on_event)
-    outcomes = [t.outcome for t in tuned]
-    env, run_id = tuned[0].environment, tuned[0].run_id
-    summaries = [{**optimize_summary(p, env, o, run_id), "llm_tokens_run": tuned[0].llm_tokens}
-                 for p, o in zip(problems, outcomes)]
-    if not json_out:
+                             settings=settings, gpus=gpu_indices(gpus), on_event=on_event)
+    _print_tuned(tuned, mode, json_out, one_shape=shapes is None and model is None)
+
+
+def _tune_on_cluster(problems: list[Problem], cluster: str, settings, options: dict[str, Any]) -> None:
+    """optimize --cluster: each shape's line as its task ends, then the count tuned."""
+    def done(problem, result) -> None:
+        best = (best_row(result["rows"]) or {}).get("speedup_offline")
+        err_console.print(f"{problem} on {result.get('host', '?')}: " + (
+            result["error"] if result.get("error") else f"{len(result['rows'])} rows, best {fmt(best, 3)}"))
+
+    finished = optimize_on_cluster(problems, cluster, settings=settings, on_done=done, options=options)
+    failed = [f for f in finished if f.get("error")]
+    print(f"{len(finished) - len(failed)} of {len(problems)} shapes tuned on the cluster; rows in {settings.results}"
+          f"; `cudal2 leaderboard --shapes` reports them")
+    if failed:
+        raise typer.Exit(1)
+
+
+def _print_tuned(tuned: list[api.TuneResult], mode: str, json_out: bool, one_shape: bool) -> None:
+    """Each shape's summary (and a shape set's), as text or JSON; exit 1 if a shape failed."""
+    problems, outcomes = [t.problem for t in tuned], [t.outcome for t in tuned]
+    env, run_id, tokens = tuned[0].environment, tuned[0].run_id, tuned[0].llm_tokens
+    summaries = [{**optimize_summary(p, env, o, run_id), "llm_tokens_run": tokens} for p, o in zip(problems, outcomes)]
+    if json_out:
+        print(json.dumps(summaries[0] if one_shape else
+                         {"shapes": summaries, "summary": set_summary(summaries, mode)}, indent=1, default=str))
+    else:
         for problem, outcome in zip(problems, outcomes):
             if len(problems) > 1:
                 print(f"{problem}:")
             print_optimize_summary(outcome, mode)
-        if tuned[0].llm_tokens is not None:
-            print(f"LLM tokens this run: {tuned[0].llm_tokens}")
-    if json_out:
-        print(json.dumps(summaries[0] if shapes is None and model is None else
-                         {"shapes": summaries, "summary": set_summary(summaries, mode)}, indent=1, default=str))
-    elif len(summaries) > 1:
+        if tokens is not None:
+            print(f"LLM tokens this run: {tokens}")
+    if not json_out and len(summaries) > 1:
         total = set_summary(summaries, mode)
         print(f"{total['tuned']} of {total['shapes']} shapes with a verified kernel; speedup over the fastest library "
               f"call: geometric mean {fmt(total['geomean_speedup'], 3)}, minimum {fmt(total['min_speedup'], 3)}; "
@@ -187,3 +186,24 @@ def optimize(
             err_console.print(f"error: {problem}: {error}")
         raise typer.Exit(1)
 
+
+def gpu_indices(spec: str | None) -> list[int] | None:
+    """--gpus: "all" or "0,1,..." as device indices, each checked to exist; None for None."""
+    if spec is None:
+        return None
+    try:
+        import cupy
+
+        count = cupy.cuda.runtime.getDeviceCount()
+    except Exception as exc:  # no driver, no device, no CuPy
+        raise Cudal2Error(f"no usable CUDA device: {str(exc).splitlines()[0] if str(exc) else type(exc).__name__}") from None
+    if spec.strip() == "all":
+        return list(range(count))
+    try:
+        wanted = [int(part) for part in spec.split(",")]
+    except ValueError:
+        raise Cudal2Error(f"--gpus takes 'all' or comma-separated indices, got {spec!r}") from None
+    for index in wanted:
+        if not 0 <= index < count:
+            raise Cudal2Error(f"GPU {index} is not there ({count} GPU{'s' if count != 1 else ''}: 0-{count - 1})")
+    return list(dict.fromkeys(wanted))
