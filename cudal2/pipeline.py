@@ -23,6 +23,7 @@ from .leaderboard import Leaderboard
 from .problem import Problem
 from .protocol import BASELINE_COLUMN as COLUMN, BASELINES, OFFLINE_METHODS, PROTOCOL
 from .render import render
+from .roofline import floor_us, roof
 from .verify import forbidden_imports
 from .worker import Worker
 
@@ -61,6 +62,12 @@ class Context:
             "device": self.worker.device,
         }
 
+    def floor(self) -> float | None:
+        """The problem's hardware floor in us on the worker's GPU (cudal2/roofline.py); None
+        where the GPU's rates are unknown."""
+        at = roof(self.worker.environment or {})
+        return None if at is None else floor_us(self.problem, at)
+
     def job(self, op: str, **extra: Any) -> dict[str, Any]:
         p = self.problem
         if self.libraries is None:
@@ -79,7 +86,8 @@ def _stats(prefix: str, timing: dict) -> dict[str, Any]:
             f"{prefix}_p80_us": timing["p80_us"], f"{prefix}_samples": timing["samples"]}
 
 
-def timing_columns(timings: dict[str, dict[str, dict]], name: str, flops: int) -> dict[str, Any]:
+def timing_columns(timings: dict[str, dict[str, dict]], name: str, flops: int,
+                   floor: float | None = None) -> dict[str, Any]:
     """Leaderboard columns of contestant `name` from the worker's {method: {contestant: timing}}.
 
     Per method: its times and each baseline's (`cublas_kernel_us`, ...), and `speedup_<method>`
@@ -118,6 +126,8 @@ def timing_columns(timings: dict[str, dict[str, dict]], name: str, flops: int) -
         row["baseline_server_us"] = fastest["server"][0]
     if "offline_us" in row:
         row["tflops"] = flops / row["offline_us"] / 1e6
+        if floor is not None:
+            row.update(floor_us=floor, floor_fraction=floor / row["offline_us"])
     return row
 
 
@@ -150,7 +160,7 @@ def measure_baselines(ctx: Context) -> list[dict[str, Any]]:
     for name, (err, tol) in errors.items():
         row = {**ctx.base_row(), "kernel": name, "status": "ok", "max_error": err, "tolerance": tol,
                "cublaslt_algo": algo_json(record), "temperature_c": result.get("temperature_c"),
-               **timing_columns(timings, name, ctx.problem.flops)}
+               **timing_columns(timings, name, ctx.problem.flops, ctx.floor())}
         if err > tol:
             row.update(status="wrong", error=f"max error {err:.3g} exceeds tolerance {tol:.3g}")
         rows.append(row)
@@ -230,7 +240,7 @@ def measure_rows(ctx: Context, items: list[Built]) -> list[dict[str, Any]]:
             row.update(status=result["status"], error=result.get("error") or None,
                        max_error=result.get("max_error"), tolerance=result.get("tolerance"),
                        cublaslt_algo=algo_json(result.get("cublaslt")), temperature_c=result.get("temperature_c"),
-                       **timing_columns(result.get("timings", {}), "kernel", ctx.problem.flops))
+                       **timing_columns(result.get("timings", {}), "kernel", ctx.problem.flops, ctx.floor()))
     return rows
 
 

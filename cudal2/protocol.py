@@ -100,6 +100,10 @@ class Row:
     speedup_offline: float | None = None
     speedup_server: float | None = None
     tflops: float | None = None
+    # the problem's hardware floor on this GPU (cudal2/roofline.py) and the share of it the
+    # claimed time reaches (floor / offline_us; 1.0 is the hardware's limit)
+    floor_us: float | None = None
+    floor_fraction: float | None = None
     # how times were taken: PROTOCOL, or one of EARLIER_PROTOCOLS
     protocol: str | None = None
     # the protocol's two methods: CUPTI device time per call, and in a CUDA graph between

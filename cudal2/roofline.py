@@ -33,11 +33,14 @@ MEASURED = {"NVIDIA H200": Roof(4.26e12, 720e12)}
 SUSTAINED_BANDWIDTH, SUSTAINED_TENSOR = 0.885, 0.673
 
 
-def roof(device: dict) -> Roof:
+def roof(device: dict) -> Roof | None:
     """The GPU's measured roof where it is known, else its datasheet rates scaled by the
-    shares measured on the H200 (`device` as `environment.describe_device` returns it)."""
+    shares measured on the H200 (`device` as `environment.describe_device` returns it);
+    None where neither is known."""
     if device.get("gpu") in MEASURED:
         return MEASURED[device["gpu"]]
+    if not all(device.get(k) for k in ("cc", "sm_count", "max_sm_clock_mhz", "memory_clock_khz", "memory_bus_bits")):
+        return None
     return Roof(SUSTAINED_BANDWIDTH * dram_bandwidth(device), SUSTAINED_TENSOR * tensor_peak(device))
 
 

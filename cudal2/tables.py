@@ -64,7 +64,7 @@ def print_bench_table(rows: list[dict[str, Any]], mode: str) -> None:
     headers = ["kernel", "status"]
     for md in methods:
         headers += [f"{md} us", "p20/p80"]
-    headers.append("TFLOP/s")
+    headers += ["TFLOP/s", "of floor"]
     headers += [f"speedup ({md})" for md in claims]
     lines = []
     for row in rows:
@@ -74,7 +74,7 @@ def print_bench_table(rows: list[dict[str, Any]], mode: str) -> None:
         cells = [row["kernel"], status]
         for md in methods:
             cells += [fmt(row.get(f"{md}_us")), f"{fmt(row.get(f'{md}_p20_us'))}/{fmt(row.get(f'{md}_p80_us'))}"]
-        cells.append(fmt(row.get("tflops"), 1))
+        cells += [fmt(row.get("tflops"), 1), fmt(row.get("floor_fraction"), 2)]
         cells += [fmt(row.get(f"speedup_{md}"), 3) for md in claims]
         lines.append(cells)
     show_table(headers, lines)
@@ -183,7 +183,7 @@ def plain_progress(kind: str, info: dict[str, Any]) -> None:
 # What a report shows of each best kernel: both methods, every baseline, the claim.
 SHAPE_COLUMNS = ["gpu", "m", "n", "k", "dtype", "layout", "kernel", "kernel_us", "graph_us", "baseline",
                  "baseline_offline_us", "speedup_kernel", "speedup_graph", "speedup_vs_cublas", "speedup_vs_cublaslt",
-                 "speedup_vs_torch", "speedup_offline", "tflops", "protocol"]
+                 "speedup_vs_torch", "speedup_offline", "tflops", "floor_us", "floor_fraction", "protocol"]
 
 
 def report_shapes(df: pd.DataFrame, problems: list[Problem], format: str) -> pd.DataFrame:

@@ -26,6 +26,10 @@ def test_another_gpu_gets_the_h200s_sustained_share_of_its_datasheet():
     assert derived.bytes_per_s < MEASURED["NVIDIA H200"].bytes_per_s * 0.75  # 3.35 against 4.8 TB/s
 
 
+def test_a_gpu_whose_rates_are_unknown_has_no_floor():
+    assert roof({"gpu": "a GPU of another vendor", "sm_count": 80}) is None
+
+
 @pytest.mark.parametrize("shape, expected", [
     ((4097, 4095, 4093), "unaligned"),
     ((100, 200, 300), "unaligned"),
@@ -43,3 +47,14 @@ def test_another_gpu_gets_the_h200s_sustained_share_of_its_datasheet():
 ])
 def test_regimes(shape, expected):
     assert regime(Problem(*shape)) == expected
+
+
+def test_a_measured_row_carries_its_floor_and_the_fraction_it_reaches():
+    from cudal2.pipeline import timing_columns
+
+    timing = {"median_us": 10.0, "p20_us": 9.9, "p80_us": 10.1, "samples": 30}
+    library = {**timing, "median_us": 12.0}
+    timings = {"kernel": {"kernel": timing, "cuBLAS": library}, "graph": {"kernel": timing, "cuBLAS": library}}
+    floor = floor_us(Problem(64, 64, 16384), roof(H200))
+    row = timing_columns(timings, "kernel", flops=2 * 64 * 64 * 16384, floor=floor)
+    assert row["floor_us"] == pytest.approx(1.0, rel=0.02) and row["floor_fraction"] == pytest.approx(floor / 10.0)
