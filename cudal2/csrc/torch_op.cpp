@@ -74,12 +74,12 @@ struct ShapeHash {
 };
 
 struct Choice {
-  const Kernel* kernel;  // null: the library call
+  std::shared_ptr<const Kernel> kernel;  // null: the library call; shared: outlives a table replaced meanwhile
   size_t workspace;
 };
 
 struct Table {
-  std::vector<Kernel> kernels;
+  std::vector<std::shared_ptr<const Kernel>> kernels;
   std::map<Family, std::vector<Tuned>> families;
   std::set<Shape> library_call;  // measured faster by the library call: no kernel, not even a neighbour's
 
@@ -113,7 +113,7 @@ Choice choice(const Shape& shape) {
   if (hit != chosen.end()) return hit->second;
   Choice c{nullptr, 0};
   if (const Tuned* t = table->choose(shape)) {
-    c.kernel = &table->kernels[t->kernel];
+    c.kernel = table->kernels[t->kernel];
     auto [m, n, k, dtype, layout] = shape;
     c.workspace = c.kernel->workspace ? c.kernel->workspace(int(m), int(n), int(k)) : 0;
   }
@@ -134,7 +134,7 @@ void serve(std::vector<std::string> paths, std::vector<int64_t> entries, std::ve
     auto gemm = reinterpret_cast<Gemm>(dlsym(handle, "cudal2_gemm"));
     TORCH_CHECK(gemm != nullptr, "cudal2: ", path, " has no cudal2_gemm");
     auto workspace = reinterpret_cast<WorkspaceBytes>(dlsym(handle, "cudal2_workspace_bytes"));
-    next->kernels.push_back({path, gemm, workspace});
+    next->kernels.push_back(std::make_shared<const Kernel>(Kernel{path, gemm, workspace}));
     handles.push_back(handle);
   }
   for (size_t i = 0; i < entries.size(); i += 8) {
