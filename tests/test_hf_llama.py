@@ -65,6 +65,17 @@ def test_the_decode_step_is_the_next_tokens_logits_and_repeats_alike(tiny):
     assert torch.allclose(first, whole, atol=1e-5, rtol=1e-4)
 
 
+def test_the_prefill_is_the_prompts_last_logits_and_repeats_alike(tiny):
+    config, model = tiny
+    prefill = hf_llama.step(model, hf_llama.Case("prefill", 2, 11), config.vocab_size)
+    with torch.no_grad():
+        first, again = prefill(), prefill()
+        prompt = torch.randint(0, config.vocab_size, (2, 11), generator=torch.Generator().manual_seed(1))
+        whole = model(input_ids=prompt, use_cache=False).logits[:, -1:]
+    assert torch.equal(first, again)
+    assert torch.allclose(first, whole, atol=1e-5, rtol=1e-4)
+
+
 def test_the_predicted_speedup_weighs_each_gemm_by_its_share_of_the_step():
     calls = {(1, 64, 64): 4, (1, 32, 64): 2}
     library = {(1, 64, 64): 10.0, (1, 32, 64): 5.0}
