@@ -5,8 +5,9 @@ on first import and cached): a call is looked up in the dispatch library's table
 with `use(DIR)`) and runs its kernel on the current stream, or falls back to at::linear /
 at::mm for whatever the library does not cover: no library or one built for another GPU or
 driver, a device other than CUDA, another dtype, non-contiguous strides, a shape it was not
-tuned or verified for. The fallback is what the kernel was measured against, so a model is
-never slower for using the op. No Python runs on the call path. They have a meta kernel
+tuned or verified for, a misaligned pointer. The fallback is what the kernel was measured
+against, so a model is never slower for using the op. Below torch.ops' own binding no Python
+runs on the call path. They have a meta kernel
 (torch.compile, fake tensors) and autograd (the library calls' gradients), and run in CUDA
 graphs.
 
@@ -19,6 +20,7 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import subprocess
 import sys
 from pathlib import Path
 
@@ -52,8 +54,12 @@ def build() -> Path:
         torch.ops.load_library(str(library))
     else:
         directory.mkdir(parents=True, exist_ok=True)
-        cpp_extension.load(name=name, sources=[str(SOURCE)], extra_cflags=["-O3", *(["-DCUDAL2_CUDA"] if cuda else [])],
-                           with_cuda=cuda, build_directory=str(directory), is_python_module=False)
+        try:
+            cpp_extension.load(name=name, sources=[str(SOURCE)], with_cuda=cuda, build_directory=str(directory),
+                               extra_cflags=["-O3", *(["-DCUDAL2_CUDA"] if cuda else [])], is_python_module=False)
+        except (RuntimeError, OSError, subprocess.CalledProcessError) as exc:  # no compiler, no ninja, a build error
+            raise Cudal2Error(f"cannot build the cudal2 PyTorch op from {SOURCE} in {directory}: "
+                              f"{str(exc).strip().splitlines()[-1]}") from None
     return library
 
 
