@@ -10,6 +10,8 @@ these and prints.
 from __future__ import annotations
 
 import contextlib
+import importlib
+import importlib.util
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -292,7 +294,10 @@ def export(library: Path, *, gpu: str | None = None, shapes: list[Problem] | Non
     if not arches:
         raise Cudal2Error("no verified kernel to export" + (f" for GPU {gpu!r}" if gpu else ""))
     compiler = Compiler(settings.arch or arches[0], settings.cache_dir, settings.jobs, settings.timeout)
-    return export_library(board, rows, compiler, Path(library), min_speedup)
+    table = export_library(board, rows, compiler, Path(library), min_speedup)
+    if importlib.util.find_spec("torch") is not None:
+        importlib.import_module("cudal2.torch")  # builds the op that serves it now, not at a model's first call
+    return table
 
 
 def leaderboard(*, results: Path | None = None, protocol: str = PROTOCOL, shapes: list[Problem] | None = None,

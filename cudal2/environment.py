@@ -39,6 +39,12 @@ def _nvidia_smi(device: int, fields: str = "clocks.sm,clocks.max.sm,driver_versi
     return dict(zip(names, values)) if len(values) == len(names) else {}
 
 
+def driver_version(device: int = 0) -> str | None:
+    """The NVIDIA driver's version as nvidia-smi reports it (what a library is recorded with),
+    or None where it does not answer."""
+    return _nvidia_smi(device, "driver_version").get("driver_version")
+
+
 def gpu_temperature(device: int = 0) -> int | None:
     """The GPU's core temperature in degrees C (nvidia-smi), or None where it does not answer.
     At the power cap the SM clock a long call runs at depends on it (docs/method.md)."""

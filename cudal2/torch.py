@@ -1,12 +1,15 @@
-"""PyTorch ops: `torch.ops.cudal2.mm(a, b)` and `torch.ops.cudal2.linear(x, weight)`.
+"""PyTorch ops: `torch.ops.cudal2.linear(x, weight, bias=None)` and `torch.ops.cudal2.mm(a, b)`.
 
-Each runs the dispatch library's kernel for the call's shape (cudal2/runtime.py; choose one
-with `use(DIR)`) on the current stream, and falls back to torch.matmul / F.linear for
-whatever the library does not cover: no library or one built for another GPU, driver or
-CUDA, a device other than CUDA, another dtype, a batch dimension, non-contiguous strides, a
-shape it was not tuned or verified for. The fallback is exactly what the kernel was measured
-against, so a model is never slower for using the op. Registered through torch.library
-with fake implementations, so the ops work eagerly, under torch.compile and in CUDA graphs.
+The ops live in C++ (`csrc/torch_op.cpp`, a TORCH_LIBRARY built with torch.utils.cpp_extension
+on first import and cached): a call is looked up in the dispatch library's table (choose one
+with `use(DIR)`) and runs its kernel on the current stream, or falls back to at::linear /
+at::mm for whatever the library does not cover: no library or one built for another GPU or
+driver, a device other than CUDA, another dtype, non-contiguous strides, a shape it was not
+tuned or verified for, a misaligned pointer. The fallback is what the kernel was measured
+against, so a model is never slower for using the op. Below torch.ops' own binding no Python
+runs on the call path. They have a meta kernel
+(torch.compile, fake tensors) and autograd (the library calls' gradients), and run in CUDA
+graphs.
 
     import cudal2.torch
     cudal2.torch.use("library/")         # cudal2 export --library library/
@@ -15,190 +18,104 @@ with fake implementations, so the ops work eagerly, under torch.compile and in C
 
 from __future__ import annotations
 
+import functools
+import hashlib
+import subprocess
+import sys
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 
+from .compile import default_cache_dir
+from .environment import driver_version
+from .errors import Cudal2Error
 from .runtime import DispatchTable, serving
-from .verify import Kernel
 
+SOURCE = Path(__file__).parent / "csrc" / "torch_op.cpp"
 DTYPES = {torch.float16: "fp16", torch.bfloat16: "bf16"}
-# The table, its loaded kernels, and each call shape's choice (a model calls few shapes many
-# times: the lookup is made once per shape, so the op's host cost stays near torch.matmul's).
-_state: dict = {"table": None, "kernels": {}, "chosen": {}, "no_workspace": {}}
+# How the table's dtype and layout reach the C++ op (its dtype_code and Layout).
+DTYPE_CODES = {"fp16": 0, "bf16": 1}
+LAYOUT_CODES = {"nn": 0, "nt": 1}
+
+
+def build() -> Path:
+    """Compiles the ops' library for this torch (with its CUDA path where torch has CUDA and
+    the toolkit is installed), once per source and torch build, under the cache directory's
+    `torch-op/`; loads it and returns its path."""
+    from torch.utils import cpp_extension
+
+    cuda = torch.version.cuda is not None and cpp_extension.CUDA_HOME is not None
+    stamp = f"{torch.__version__} {torch.version.cuda} {cuda} {sys.version_info[:2]}".encode()
+    key = hashlib.sha256(SOURCE.read_bytes() + stamp).hexdigest()[:16]
+    name = f"cudal2_torch_op_{key}"
+    directory = default_cache_dir() / "torch-op" / key
+    library = directory / f"{name}.so"
+    if library.is_file():
+        torch.ops.load_library(str(library))
+    else:
+        directory.mkdir(parents=True, exist_ok=True)
+        try:
+            cpp_extension.load(name=name, sources=[str(SOURCE)], with_cuda=cuda, build_directory=str(directory),
+                               extra_cflags=["-O3", *(["-DCUDAL2_CUDA"] if cuda else [])], is_python_module=False)
+        except (RuntimeError, OSError, subprocess.CalledProcessError) as exc:  # no compiler, no ninja, a build error
+            raise Cudal2Error(f"cannot build the cudal2 PyTorch op from {SOURCE} in {directory}: "
+                              f"{str(exc).strip().splitlines()[-1]}") from None
+    return library
+
+
+LIBRARY = build()
+_served: dict = {"table": None}  # the table the C++ op serves, for patch()
 
 
 def use(library: Path | str | None, environment: dict | None = None) -> DispatchTable | None:
     """Serves the ops from the library in `library` (None: the fallback alone). A library
-    built for another GPU or driver than `environment` (default: this process's
-    current CUDA device) serves nothing, with one warning."""
-    _state.update(table=None, kernels={}, chosen={}, no_workspace={})
+    built for another GPU or driver than `environment` (default: this process's current CUDA
+    device) serves nothing, with one warning. The table is handed to the C++ op once: its
+    kernels are loaded and each call shape's choice is then made in C++."""
+    _serve(None)
     if library is None:
         return None
     table = DispatchTable.load(Path(library))
     if environment is None and not torch.cuda.is_available():
         return table
     if serving(table, environment or _environment()):
-        _state["table"] = table
+        _serve(table)
     return table
 
 
 def _environment() -> dict:
-    from .environment import _nvidia_smi
-
     device = torch.cuda.current_device()
-    return {"gpu": torch.cuda.get_device_name(device), "driver": _nvidia_smi(device).get("driver_version"),
-            "cuda": torch.version.cuda}
+    return {"gpu": torch.cuda.get_device_name(device), "driver": driver_version(device), "cuda": torch.version.cuda}
 
 
-def _kernel(key: tuple) -> tuple[Kernel, int] | None:
-    """The kernel the table picks for (m, n, k, dtype, layout) and its workspace bytes, or None."""
-    if key not in _state["chosen"]:
-        entry = _state["table"].choose(*key)
-        if entry is None:
-            _state["chosen"][key] = None
-        else:
-            path = _state["table"].root / entry.library
-            if path not in _state["kernels"]:  # one library may serve several shapes
-                _state["kernels"][path] = Kernel(str(path))
-            kernel = _state["kernels"][path]
-            _state["chosen"][key] = (kernel, kernel.workspace_bytes(*key[:3]))
-    return _state["chosen"][key]
+def _serve(table: DispatchTable | None) -> None:
+    entries = table.entries if table is not None else []
+    paths = sorted({e.library for e in entries})
+    index = {path: i for i, path in enumerate(paths)}
+    flat = [v for e in entries for v in (e.m, e.n, e.k, DTYPE_CODES[e.dtype], LAYOUT_CODES[e.layout],
+                                         index[e.library], min(e.verified_m), max(e.verified_m))]
+    library_call = [v for m, n, k, dtype, layout in (table.library_call if table is not None else ())
+                    for v in (m, n, k, DTYPE_CODES[dtype], LAYOUT_CODES[layout])]
+    _served["table"] = None
+    try:
+        torch.ops.cudal2._serve([str(table.root / path) for path in paths], flat, library_call)
+    except RuntimeError as exc:  # a kernel that will not load: the C++ op keeps serving nothing
+        raise Cudal2Error(str(exc).splitlines()[0]) from None
+    _served["table"] = table
 
 
-def _tuned(a: torch.Tensor, b: torch.Tensor, layout: str) -> torch.Tensor | None:
-    """C from the library's kernel, or None where the library does not cover the call."""
-    table = _state["table"]
-    if (table is None or not a.is_cuda or a.device != b.device or a.dim() != 2 or b.dim() != 2
-            or a.dtype not in DTYPES or b.dtype != a.dtype or not a.is_contiguous() or not b.is_contiguous()):
-        return None
-    m, k = a.shape
-    n = b.shape[1] if layout == "nn" else b.shape[0]
-    if (b.shape[0] if layout == "nn" else b.shape[1]) != k:
-        return None
-    chosen = _kernel((m, n, k, DTYPES[a.dtype], layout))
-    if chosen is None:
-        return None
-    kernel, size = chosen
-    device = a.device
-    out = torch.empty((m, n), dtype=a.dtype, device=device)
-    # Most kernels need no workspace; they get a valid pointer all the same, as when verified.
-    workspace = torch.empty(size, dtype=torch.uint8, device=device) if size else _no_workspace(device)
-    code = kernel.gemm(a.data_ptr(), b.data_ptr(), out.data_ptr(), m, n, k, workspace.data_ptr(), size,
-                       _stream(device))
-    return out if code == 0 else None  # a kernel that declines the shape: the library call runs
-
-
-def _no_workspace(device: torch.device) -> torch.Tensor:
-    """One small buffer per device for the kernels that need no workspace (nothing writes it)."""
-    buffers = _state["no_workspace"]
-    if device not in buffers:
-        buffers[device] = torch.empty(256, dtype=torch.uint8, device=device)
-    return buffers[device]
-
-
-# The current stream's handle as an integer, as code compiled by torch.compile gets it:
-# torch.cuda.current_stream() builds a Stream object each call, a few microseconds of host time.
-_RAW_STREAM = getattr(torch._C, "_cuda_getCurrentRawStream", None)
-
-
-def _stream(device: torch.device) -> int:
-    if _RAW_STREAM is not None:
-        return _RAW_STREAM(device.index)  # a CUDA tensor's device always has its index
-    return torch.cuda.current_stream(device).cuda_stream
-
-
-# Defined through torch.library.Library, not torch.library.custom_op, whose wrapper cost 7.7
-# us of host time a call on a CPU tensor (F.linear: 1.6); torch.library.register_autograd's
-# kernel then cost 5.9, its redispatch included; the autograd kernel below costs 3.8.
-_LIBRARY = torch.library.Library("cudal2", "DEF")
-_LIBRARY.define("mm(Tensor a, Tensor b) -> Tensor")
-_LIBRARY.define("linear(Tensor x, Tensor weight) -> Tensor")
-
-
-def mm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """a @ b: the tuned kernel where the library has one, else torch.matmul."""
-    out = _tuned(a, b, "nn")
-    return torch.matmul(a, b) if out is None else out
-
-
-def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """x @ weight^T (weight [N, K] as nn.Linear stores it): the tuned kernel, else F.linear."""
-    out = _tuned(x, weight, "nt")
-    return F.linear(x, weight) if out is None else out
-
-
-def _mm_backward(grad: torch.Tensor, a: torch.Tensor, b: torch.Tensor):
-    return grad @ b.t(), a.t() @ grad
-
-
-def _linear_backward(grad: torch.Tensor, x: torch.Tensor, weight: torch.Tensor):
-    return grad @ weight, grad.t() @ x
-
-
-def _autograd_kernel(name: str, run, backward):
-    """The op's kernel for the Autograd key: differentiable as the library call it stands for
-    (the backward runs the library); with nothing to record, on plain tensors and no mode
-    active, `run` itself; otherwise (traced, fake, a mode) the kernels below autograd."""
-    op = getattr(torch.ops.cudal2, name).default
-
-    class Differentiable(torch.autograd.Function):
-        @staticmethod
-        def forward(ctx, a, b):
-            ctx.save_for_backward(a, b)
-            with torch._C._AutoDispatchBelowAutograd():
-                return op(a, b)
-
-        @staticmethod
-        def backward(ctx, grad):
-            return backward(grad, *ctx.saved_tensors)
-
-    def kernel(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-        if torch.is_grad_enabled() and (a.requires_grad or b.requires_grad):
-            return Differentiable.apply(a, b)
-        if (type(a) is torch.Tensor and type(b) is torch.Tensor and torch._C._len_torch_dispatch_stack() == 0
-                and not torch._C._is_torch_function_mode_enabled()):
-            return run(a, b)
-        with torch._C._AutoDispatchBelowAutograd():
-            return op(a, b)
-
-    return kernel
-
-
-for _name, _run, _backward in (("mm", mm, _mm_backward), ("linear", linear, _linear_backward)):
-    _LIBRARY.impl(_name, _run, "CompositeExplicitAutograd")  # every device; the fallback where not CUDA
-    _LIBRARY.impl(_name, _autograd_kernel(_name, _run, _backward), "Autograd")
-
-
-@torch.library.register_fake("cudal2::mm")
-def _mm_fake(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    return a.new_empty((*a.shape[:-1], b.shape[-1]))
-
-
-@torch.library.register_fake("cudal2::linear")
-def _linear_fake(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    return x.new_empty((*x.shape[:-1], weight.shape[0]))
-
-
-def _tuned_forward(layer: torch.nn.Linear):
-    def forward(x: torch.Tensor) -> torch.Tensor:
-        flat = x if x.dim() == 2 else x.reshape(-1, x.shape[-1])  # (tokens, K): the GEMM a Linear layer runs
-        if torch.is_grad_enabled() or torch.compiler.is_compiling():
-            out = torch.ops.cudal2.linear(flat, layer.weight)  # traced, or differentiable: the op
-        else:  # eager inference: the op's own function, without the dispatcher's and autograd's host cost
-            out = linear(flat, layer.weight)
-        if x.dim() != 2:
-            out = out.reshape(*x.shape[:-1], layer.out_features)
-        return out if layer.bias is None else out + layer.bias
-
-    return forward
+def served(m: int, n: int, k: int, dtype: str = "fp16", layout: str = "nt") -> Path | None:
+    """The kernel library a call of this problem runs (layout "nt": linear, "nn": mm), or
+    None where it runs the library call: the C++ op's own choice."""
+    path = torch.ops.cudal2._kernel(m, n, k, DTYPE_CODES[dtype], LAYOUT_CODES[layout])
+    return Path(path) if path else None
 
 
 def patch(model: torch.nn.Module) -> int:
-    """Swaps the forward of every nn.Linear whose (N, K) the library tuned for some M, so its
-    GEMM goes through torch.ops.cudal2.linear; returns how many were swapped."""
-    table = _state["table"]
+    """Routes every nn.Linear whose (N, K) the served library tuned for some M straight to
+    torch.ops.cudal2.linear: its forward becomes the op with the layer's weight and bias bound
+    (no Python function of ours between the module call and the op). Returns how many."""
+    table = _served["table"]
     if table is None:
         return 0
     tuned = {(e.n, e.k, e.dtype) for e in table.entries if e.layout == "nt"}
@@ -206,6 +123,6 @@ def patch(model: torch.nn.Module) -> int:
     for layer in model.modules():
         if isinstance(layer, torch.nn.Linear) and layer.weight.dtype in DTYPES and \
                 (layer.out_features, layer.in_features, DTYPES[layer.weight.dtype]) in tuned:
-            layer.forward = _tuned_forward(layer)
+            layer.forward = functools.partial(torch.ops.cudal2.linear.default, weight=layer.weight, bias=layer.bias)
             swapped += 1
     return swapped

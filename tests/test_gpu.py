@@ -19,7 +19,7 @@ from cudal2.leaderboard import BASELINES, Leaderboard
 from cudal2.pipeline import Context, evaluate, measure_baselines
 from cudal2.problem import Problem
 from cudal2.render import get_template, render, template_candidate
-from cudal2.runtime import MIN_SPEEDUP, DispatchTable
+from cudal2.runtime import DispatchTable
 from cudal2.verify import Kernel, Numerics, Operands, compare, trusted_error
 from cudal2.baselines import cublas_gemm
 from cudal2.worker import Worker
@@ -506,56 +506,6 @@ def test_optimize_replays_one_llm_round_of_a_template_and_a_free_form_kernel(tmp
                                                 "best_speedup": pytest.approx(kernels["speedup_offline"].max())}}
     assert summary["llm_tokens_run"] == 0
     assert (results / "runs" / summary["run_id"] / "gpu0" / "llm-round-1-prompt.md").is_file()
-
-
-def test_the_torch_op_runs_exported_kernels_and_falls_back_elsewhere(tmp_path, cache_dir):
-    """cudal2 bench -> export -> torch.ops.cudal2.linear: the tuned shape through the kernel,
-    eagerly, under torch.compile and in a CUDA graph, matching F.linear within the verifier's
-    tolerance; an untuned shape and a CPU tensor fall back."""
-    torch = pytest.importorskip("torch")
-    import torch.nn.functional as F
-
-    import cudal2.torch as ops
-    from cudal2.verify import UNIT_ROUNDOFF
-
-    runner = CliRunner(env={"CUDAL2_CACHE_DIR": str(cache_dir)})
-    bench = runner.invoke(app, ["bench", "--m", "64", "--n", "512", "--k", "256", "--dtype", "bf16", "--layout", "nt",
-                                "--template", "sm80_mma", "--budget", "0.1", "--results", str(tmp_path), "--json"])
-    assert bench.exit_code == 0, bench.output
-    claim = json.loads(bench.output)["rows"]
-    claim = next(r["speedup_offline"] for r in claim if r["kernel"].startswith("sm80_mma("))
-    # By default a kernel slower than the library call, or tied with it, is not exported: the op runs F.linear.
-    exported = runner.invoke(app, ["export", "--library", str(tmp_path / "default"), "--results", str(tmp_path)])
-    assert exported.exit_code == 0, exported.output
-    assert (DispatchTable.load(tmp_path / "default").choose(64, 512, 256, "bf16", "nt") is None) == (claim < MIN_SPEEDUP)
-    # Exported whatever its speed, it runs through the op.
-    exported = runner.invoke(app, ["export", "--library", str(tmp_path / "lib"), "--results", str(tmp_path),
-                                   "--min-speedup", "0"])
-    assert exported.exit_code == 0, exported.output
-    table = ops.use(tmp_path / "lib")
-    assert table is not None and ops._state["table"] is table  # this GPU, driver and CUDA: served
-    x = torch.randn(64, 256, device="cuda", dtype=torch.bfloat16)
-    w = torch.randn(512, 256, device="cuda", dtype=torch.bfloat16)
-    ref = F.linear(x.float(), w.float())
-    tolerance = 4 * UNIT_ROUNDOFF["bf16"] * ref.abs().max()
-
-    def close(out):
-        return (out.float() - ref).abs().max() <= tolerance
-
-    assert ops._tuned(x, w, "nt") is not None  # the kernel ran, not the fallback
-    assert close(torch.ops.cudal2.linear(x, w))
-    assert close(torch.compile(lambda a, b: torch.ops.cudal2.linear(a, b), fullgraph=True)(x, w))
-    graph, static = torch.cuda.CUDAGraph(), torch.empty(64, 512, device="cuda", dtype=torch.bfloat16)
-    torch.ops.cudal2.linear(x, w)  # warm-up off the graph
-    with torch.cuda.graph(graph):
-        static.copy_(torch.ops.cudal2.linear(x, w))
-    graph.replay()
-    torch.cuda.synchronize()
-    assert close(static)
-    other = torch.randn(64, 384, device="cuda", dtype=torch.bfloat16)  # K never tuned: F.linear
-    assert ops._tuned(other, torch.randn(512, 384, device="cuda", dtype=torch.bfloat16), "nt") is None
-    assert torch.equal(torch.ops.cudal2.linear(x.cpu(), w.cpu()), F.linear(x.cpu(), w.cpu()))
-    ops.use(None)
 
 
 def test_check_of_a_library_exits_3_on_a_deliberately_slow_kernel(tmp_path, cache_dir):
