@@ -19,10 +19,10 @@ from test_gpu import context  # noqa: F401  (the fixture: a worker and a leaderb
 
 pytestmark = pytest.mark.gpu
 
-# The default; wider tiles with one step in flight and no cache hint; 64-row tiles of two
-# warps; a 16-warp block. Together they take every load path: 16-byte rows (nt, and nn's
-# transpose), 8-byte N-rows through movmatrix (nn), element loads (unaligned rows).
-CONFIGS = ({}, {"tile_rows": "32", "warps": "4", "unroll": "1", "cache": "default"},
+# The default; wider tiles with one step in flight; 64-row tiles of two warps; a 16-warp
+# block. Together they take every load path: 16-byte rows (nt, and nn's transpose), 8-byte
+# N-rows through movmatrix (nn), element loads (unaligned rows, nn's B^T as tokens).
+CONFIGS = ({}, {"tile_rows": "32", "warps": "4", "unroll": "1"},
            {"tile_rows": "64", "warps": "2", "unroll": "1"}, {"tile_rows": "16", "warps": "16", "unroll": "2"})
 # Decode shapes (M <= 8), odd ones (K or N not a multiple of 8, partial tiles and steps), and
 # N <= 8 run transposed (M large).
