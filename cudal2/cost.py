@@ -107,7 +107,10 @@ def predict_us(template: Template, params: dict[str, Any], problem: Problem, dev
     latency_s = 0.0
     if int(c["pipeline_stages"]):
         steps = math.ceil(math.ceil(problem.k / split) / int(c["tile_k"]))
-        latency_s = waves * math.ceil(steps / max(1, int(c["pipeline_stages"]) - 1)) * LOAD_LATENCY_US * 1e-6
+        # A template may price its own round trip (`load_latency_us`): gemv's loads go to DRAM
+        # with hundreds of kilobytes in flight per SM, where a round trip takes about 1 us.
+        latency_us = float(c.get("load_latency_us", LOAD_LATENCY_US))
+        latency_s = waves * math.ceil(steps / max(1, int(c["pipeline_stages"]) - 1)) * latency_us * 1e-6
     l2_bytes = tiles * (tm + tn) * problem.k * 2 + (tiles * tm * tn * 4 * 2 if split > 1 else 0)
     memory_s = max(problem.min_bytes / dram_bandwidth(device), l2_bytes / (L2_PER_DRAM * dram_bandwidth(device)))
     # Too few warps on an SM cannot keep enough loads in flight: the memory time stretches

@@ -8,8 +8,8 @@ shape of its dtype and layout. The set is
 - every configuration that measured within 2% of the best on some problem (each problem and
   protocol compared within itself), on a GPU of this architecture, in the measurements
   given (the shipped ones and the results directory's), in that problem's dtype and layout;
-- the cost model's PER_REGION best in each region a model's shapes fall in (tiny, decode,
-  split-K, large, unaligned, and those of the CUDA-L2 grid the library wins: short K, skinny
+- the cost model's PER_REGION best in each region a model's shapes fall in (tiny, decode
+  at 1-8 tokens and at 16, split-K, large, unaligned, and those of the CUDA-L2 grid the library wins: short K, skinny
   outputs), configurations it prices apart, for fp16 nn and bf16 nt, where a device of this
   architecture was measured (its facts feed the model).
 
@@ -46,6 +46,8 @@ PER_REGION = 3
 REGIONS = {  # a representative problem of each region of a model's shapes
     "tiny": (128, 64, 64),
     "decode": (16, 4096, 4096),
+    # One to eight tokens: the weights streamed once (gemv), Llama-3-8B's o_proj at one token.
+    "GEMV decode": (1, 4096, 4096),
     "split-K": (1024, 128, 16384),
     "large": (8192, 8192, 8192),
     "unaligned": (4095, 4097, 1001),

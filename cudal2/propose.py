@@ -323,7 +323,8 @@ class SearchProposer:
         run from an empty cache has a verified kernel while the others compile."""
         if any(penalty(c.template, c.param_dict) <= 1.0 for c in picks):
             return
-        quick = min((t for t in self.templates.values() if t.supports(problem, self.device["cc"])),
+        ranked = {name for _, name, _ in ordered}  # a template that can run this shape (gemv: M or N <= 8)
+        quick = min((t for t in self.templates.values() if t.name in ranked and t.supports(problem, self.device["cc"])),
                     key=lambda t: t.space.compile_s, default=None)
         if quick is None or any(c.template == quick.name for c in picks):
             return
