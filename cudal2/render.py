@@ -194,8 +194,8 @@ class Space:
         inputs: dict[str, Any] = {name: names[name] for name in self.cost}
         for name, default in (("requires", True), ("split_k", 1), ("extra_bytes", 0), ("extra_launches", 0),
                               ("extra_us", 0.0), ("ordered_reduction", False), ("slices_wait", True),
-                              ("waiting_slices", 0), ("exposed_epilogue_bytes", 0), ("stream_k_tiles", 0), ("walked_tiles", 0),
-                              ("pipeline_stages", 0), ("tile_k", 0)):
+                              ("waiting_slices", 0), ("exposed_epilogue_bytes", 0), ("stream_k_tiles", 0),
+                              ("walked_tiles", 0), ("pipeline_stages", 0), ("tile_k", 0)):
             inputs.setdefault(name, default)
         # Output tiles: M cut by tile_m and N by tile_n, unless the table counts them itself (a
         # kernel that swaps the operands cuts N by tile_m and M by tile_n).

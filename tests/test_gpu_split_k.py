@@ -41,8 +41,10 @@ def build(compiler, params: dict, dtype: str, layout: str) -> Kernel:
     return Kernel(str(built.library))
 
 
-@pytest.mark.parametrize("dtype, layout", VARIANTS, ids=lambda v: v)
-@pytest.mark.parametrize("params", [WIDE, NO_CLUSTER], ids=["8x16", "1x4"])
+CASES = [("8x16", WIDE, *v) for v in VARIANTS] + [("1x4", NO_CLUSTER, *v) for v in VARIANTS[:2]]
+
+
+@pytest.mark.parametrize("params, dtype, layout", [case[1:] for case in CASES], ids=["-".join(c[::2] + c[3:]) for c in CASES])
 def test_wide_split_k_passes_the_verifier_on_few_tile_long_k_shapes(compiler, params, dtype, layout):
     import cupy
 
