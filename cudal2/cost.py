@@ -96,7 +96,10 @@ def predict_us(template: Template, params: dict[str, Any], problem: Problem, dev
     sm_flops = tensor_peak(device) / sms * float(c["efficiency"])
     # Each wave costs as much as a full wave of whole tiles: padding and idle SMs are paid.
     tile_flops = 2.0 * tm * tn * math.ceil(problem.k / split)
-    stretch = 1 + SPLIT_LOSS * (split - 1) if c["slices_wait"] else 1.0
+    # The slices that wait for each other: all of a tile's (or none, `slices_wait`), or only
+    # those of one cluster where several clusters share a tile and the last to arrive sums.
+    waiting = int(c["waiting_slices"]) or (split if c["slices_wait"] else 1)
+    stretch = 1 + SPLIT_LOSS * (waiting - 1)
     compute_s = waves * resident * tile_flops / sm_flops * stretch
     # A tile's stores that its SM waits for (no other tile's mainloop runs meanwhile), at the
     # SM's share of the DRAM bandwidth.

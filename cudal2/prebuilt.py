@@ -64,6 +64,10 @@ REGIONS = {  # a representative problem of each region of a model's shapes
     # cluster: seconds to compile), 1.12x at 512x512x8192.
     "tiny, long-K": (64, 64, 2048),
     "mid, long-K": (512, 512, 8192),
+    # Fewer output tiles than SMs and a long K, where the library stood furthest from the floor
+    # (2.15x geomean on the H200): K split over several clusters per tile (sm80_mma k_clusters).
+    "one tile, long-K": (64, 64, 16384),
+    "few tiles, long-K": (128, 256, 16384),
 }
 VARIANTS = (("fp16", "nn"), ("bf16", "nt"))  # torch.matmul on fp16, F.linear on bf16
 

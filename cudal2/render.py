@@ -180,6 +180,8 @@ class Space:
         per call), ordered_reduction (default False: split-K slices are summed in a fixed
         order, one after another) and slices_wait (default True: the split-K slices of a tile
         run together and wait for each other; False where they run as independent batches)
+        and waiting_slices (default 0: as slices_wait says; else how many of a tile's split_k
+        slices wait for each other, such as the CTAs of one of several clusters sharing a tile)
         and exposed_epilogue_bytes (default 0: bytes of a tile's output that its SM stores
         while no other tile's mainloop runs) and stream_k_tiles (default 0: tiles whose K
         iterations are spread evenly over all SMs, stream-K) and walked_tiles (default 0: the
@@ -192,8 +194,8 @@ class Space:
         inputs: dict[str, Any] = {name: names[name] for name in self.cost}
         for name, default in (("requires", True), ("split_k", 1), ("extra_bytes", 0), ("extra_launches", 0),
                               ("extra_us", 0.0), ("ordered_reduction", False), ("slices_wait", True),
-                              ("exposed_epilogue_bytes", 0), ("stream_k_tiles", 0), ("walked_tiles", 0),
-                              ("pipeline_stages", 0), ("tile_k", 0)):
+                              ("waiting_slices", 0), ("exposed_epilogue_bytes", 0), ("stream_k_tiles", 0),
+                              ("walked_tiles", 0), ("pipeline_stages", 0), ("tile_k", 0)):
             inputs.setdefault(name, default)
         # Output tiles: M cut by tile_m and N by tile_n, unless the table counts them itself (a
         # kernel that swaps the operands cuts N by tile_m and M by tile_n).

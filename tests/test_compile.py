@@ -8,7 +8,7 @@ from cudal2.compile import (RESOURCES_TAG, Cancelled, Compiler, cache_key, decla
                             parse_ptxas)
 from cudal2.problem import Problem
 from cudal2.render import get_template, max_smem, render, template_candidate
-from cudal2.verify import forbidden_imports
+from cudal2.verify import Kernel, forbidden_imports
 
 from conftest import ROOT, fixture_source
 
@@ -58,6 +58,21 @@ def test_split_k_cluster_variant_compiles_without_new_imports(compiler):
     build = compiler.compile(render(template_candidate("sm80_mma", split, 90), Problem(1, 1, 1, "bf16", "nt")))
     assert build.status == "ok", build.log
     assert build.spill_bytes == 0 and forbidden_imports(build.imports) == []
+
+
+def test_split_k_over_clusters_compiles_and_declares_its_workspace(compiler):
+    """Cut into 8 x 16 slices, one tile's K is summed through 16 fp32 partial tiles in the
+    workspace; the library says so on the host (no GPU needed to ask), with no new imports."""
+    wide = {"block_m": "64", "block_n": "64", "warps_m": "2", "warps_n": "2", "split_k": "8", "k_clusters": "16"}
+    build = compiler.compile(render(template_candidate("sm80_mma", wide, 90), Problem(1, 1, 1, "fp16", "nn")))
+    assert build.status == "ok", build.log
+    assert build.spill_bytes == 0 and forbidden_imports(build.imports) == []
+    kernel = Kernel(str(build.library))
+    assert kernel.workspace_bytes(64, 64, 16384) == 16 * 64 * 64 * 4
+    assert kernel.workspace_bytes(100, 64, 16384) == 2 * 16 * 64 * 64 * 4  # two tiles, the second cut
+    assert kernel.workspace_bytes(64, 64, 2048) == 4 * 64 * 64 * 4  # 32 K tiles: 4 clusters of 8 get one each
+    assert kernel.workspace_bytes(64, 64, 64) == 0  # one K tile: one cluster, nothing to park
+    assert kernel.workspace_bytes(8192, 4096, 4096) == 0  # more tiles than arrival counters: one cluster
 
 
 def test_cancel_stops_a_compile_caches_nothing_and_later_compiles_run(tmp_path):

@@ -68,6 +68,26 @@ def test_split_k_needs_clusters_and_room_for_the_partial_tile():
                                         "split_k": "2"}, 90)
 
 
+def test_split_k_over_clusters_sums_through_the_workspace_in_one_kernel():
+    wide = {"block_m": "64", "block_n": "64", "warps_m": "2", "warps_n": "2", "split_k": "8", "k_clusters": "16"}
+    source = render(template_candidate("sm80_mma", wide, 90), Problem(64, 64, 16384, "fp16", "nn"))
+    assert "K_CLUSTERS = 16" in source and "__device__ unsigned int tile_arrivals[" in source
+    assert 'extern "C" size_t cudal2_workspace_bytes(' in source
+    plain = render(template_candidate("sm80_mma", {}, 90), Problem(1, 1, 1, "fp16", "nn"))
+    assert "tile_arrivals" not in plain and "K_CLUSTERS = 1" in plain
+    # Without clusters (split_k 1) it runs on sm_80 too; its partial tile is always staged in
+    # shared memory, so the output-staging choice is not a second configuration.
+    template_candidate("sm80_mma", {**wide, "split_k": "1"}, 80)
+    with pytest.raises(Cudal2Error, match="fails split_k == 1 and k_clusters == 1 or epilogue == 'smem'"):
+        template_candidate("sm80_mma", {**wide, "split_k": "1", "epilogue": "direct"}, 90)
+    with pytest.raises(Cudal2Error, match=r"k_clusters=3 is outside template sm80_mma's space \(1, 2, 4, 8, 16\)"):
+        template_candidate("sm80_mma", {**wide, "k_clusters": "3"}, 90)
+    # The fp32 partial tile must fit in shared memory as split_k's does.
+    with pytest.raises(Cudal2Error, match="smem_bytes <= max_smem"):
+        template_candidate("sm80_mma", {"block_m": "256", "block_n": "256", "block_k": "32", "stages": "2",
+                                        "k_clusters": "2"}, 90)
+
+
 def test_unknown_template():
     with pytest.raises(Cudal2Error, match="unknown template 'nope'; available: .*sm80_mma"):
         get_template("nope")
