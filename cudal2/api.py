@@ -138,17 +138,21 @@ def gpu_indices(spec: str | None) -> list[int] | None:
     if spec is None:
         return None
     try:
+        wanted = None if spec.strip() == "all" else [int(part) for part in spec.split(",")]
+    except ValueError:
+        raise Cudal2Error(f"--gpus takes 'all' or comma-separated indices, got {spec!r}") from None
+    if wanted is not None and min(wanted) < 0:
+        raise Cudal2Error(f"--gpus takes device indices >= 0, got {spec!r}")
+    try:
         import cupy
 
         count = cupy.cuda.runtime.getDeviceCount()
     except Exception as exc:  # no driver, no device, no CuPy
-        raise Cudal2Error(f"no usable CUDA device: {str(exc).splitlines()[0] if str(exc) else type(exc).__name__}") from None
-    if spec.strip() == "all":
+        from .environment import device_error
+
+        raise Cudal2Error(device_error(exc)) from None
+    if wanted is None:
         return list(range(count))
-    try:
-        wanted = [int(part) for part in spec.split(",")]
-    except ValueError:
-        raise Cudal2Error(f"--gpus takes 'all' or comma-separated indices, got {spec!r}") from None
     for index in wanted:
         if not 0 <= index < count:
             raise Cudal2Error(f"GPU {index} is not there ({count} GPU{'s' if count != 1 else ''}: 0-{count - 1})")
@@ -349,18 +353,17 @@ def _check_library(root: Path, shapes: list[Problem] | None, fail_under: float, 
 
 
 def report(out: Path, *, shapes: list[Problem] | None = None, results: Path | None = None,
-           bench: str = PROTOCOL) -> Path:
-    """Writes the HTML report (plots embedded; PNGs beside it) of the best kernel per shape
-    of one bench protocol to `out`; returns the page's path."""
+           bench: str = PROTOCOL, use_shipped: bool = False) -> Path:
+    """Writes the HTML report (plots embedded; PNGs and summary.json beside it) of the best
+    kernel per shape of one bench protocol to `out`; returns the page's path. The shipped
+    measurements are reported (and labelled so) with `use_shipped`, or while the results
+    directory has none."""
+    from .leaderboard import SHIPPED, shown
     from .report import write_report
 
-    board = Leaderboard(results or load_settings().results)
-    if not board.parts.exists():
-        raise Cudal2Error(f"no leaderboard in {board.root} (nothing measured there yet, or another --results)")
-    try:
-        return write_report(board.read(bench), Path(out), shapes)
-    except ValueError as exc:
-        raise Cudal2Error(f"nothing to report: {exc}") from None
+    rows, from_shipped = shown(results or load_settings().results, bench, use_shipped)
+    label = str(SHIPPED.relative_to(SHIPPED.parents[2])) if from_shipped else None
+    return write_report(rows, Path(out), shapes, source=label)
 
 
 def export(library: Path, *, gpu: str | None = None, shapes: list[Problem] | None = None,

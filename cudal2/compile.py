@@ -195,6 +195,10 @@ class Compiler:
                  timeout: float = 600.0, slots: threading.Semaphore | None = None):
         self.arch = arch
         self.root = (cache_dir or default_cache_dir()) / "kernels"
+        try:  # an unusable cache is one line before anything is rendered or measured
+            self.root.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise Cudal2Error(f"cannot use kernel cache {self.root.parent} (CUDAL2_CACHE_DIR): {exc.strerror}") from None
         self.jobs = jobs or os.cpu_count() or 1
         self.timeout = timeout
         # nvcc processes at once; compilers that share `slots` (one per GPU worker) share the cores

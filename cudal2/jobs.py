@@ -35,7 +35,9 @@ def serve(conn, device: int, cupti: bool) -> None:
             pass
         timer = CuptiTimer() if cupti else None
     except Exception as exc:  # no driver, no device, no CuPy, no CUPTI
-        conn.send({"fatal": f"no usable CUDA device: {str(exc).splitlines()[0] if str(exc) else type(exc).__name__}"})
+        from .environment import device_error
+
+        conn.send({"fatal": device_error(exc)})
         return
     conn.send({"environment": environment})
     handlers = {"kernel": _kernel_job, "kernels": _kernels_job, "baselines": _baselines_job, "round": _round_job,

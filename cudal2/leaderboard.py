@@ -104,6 +104,16 @@ def shipped(bench: str | None = PROTOCOL, path: Path = SHIPPED) -> pd.DataFrame:
     return df if bench is None else df[df["bench"] == bench].reset_index(drop=True)
 
 
+def shown(results: Path, bench: str | None = PROTOCOL, use_shipped: bool = False) -> tuple[pd.DataFrame, bool]:
+    """The rows `cudal2 leaderboard` and `cudal2 report` show, and whether they are the
+    shipped measurements: those when asked (`use_shipped`) or when `results` holds no
+    leaderboard part yet (a new user sees what was measured before), else the directory's."""
+    board = Leaderboard(results)
+    if use_shipped or not board.parts.exists() or (board.parts.is_dir() and not any(board.parts.glob("*.parquet"))):
+        return shipped(bench), True
+    return board.read(bench), False
+
+
 def with_shipped(recorded: pd.DataFrame, gpu: str | None = None, bench: str | None = None) -> pd.DataFrame:
     """`recorded` (a results directory's rows) and the shipped measurements, those of `gpu`
     and timed by `bench` (None: every GPU, every protocol)."""
@@ -185,8 +195,16 @@ class Leaderboard:
             os.replace(tmp, path)
         return digest
 
-    def source(self, digest: str) -> str:
-        return (self.sources / f"{digest}.cu").read_text()
+    def source(self, digest: str | None) -> str:
+        """A kernel's stored source; a row with none (a shipped measurement keeps no sources)
+        is one line that says how to get one."""
+        path = self.sources / f"{digest}.cu"
+        if not isinstance(digest, str) or not path.is_file():
+            raise Cudal2Error(
+                "a kernel to export or check has no stored source "
+                + (f"({path} is missing)" if isinstance(digest, str) else "(a shipped measurement keeps none)")
+                + ": `cudal2 bench --m M --n N --k K --top 1` measures the best recorded kernel here and stores it")
+        return path.read_text()
 
     def read(self, bench: str | None = PROTOCOL) -> pd.DataFrame:
         """Rows timed by the protocol `bench` (None: every protocol). Parts written before a

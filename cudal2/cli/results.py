@@ -13,11 +13,16 @@ from .. import api
 from ..bench import PROTOCOL, PROTOCOLS, STUDY_PROTOCOLS
 from ..config import load_settings
 from ..errors import Cudal2Error
-from ..leaderboard import STATUSES, Leaderboard, best, select
+from ..leaderboard import SHIPPED, STATUSES, Leaderboard, best, select, shown
+from ..problem import DTYPES, LAYOUTS, Problem
 from ..runtime import MIN_SPEEDUP
 from ..shapes import shape_set
 from ..tables import SHAPE_COLUMNS, emit_frame, fmt, jsonable, report_shapes, show_table
 from . import Json, ModelOpt, Results, TokensOpt, app, cli_errors
+
+Shipped = Annotated[bool, typer.Option(
+    "--shipped", help="the measurements shipped with cudal2 (cudal2/data/measurements.parquet) instead of the "
+                      "results directory's; shown anyway while the results directory has none")]
 
 @app.command("leaderboard")
 @cli_errors
@@ -46,14 +51,19 @@ def leaderboard_cmd(
     proposers: Annotated[bool, typer.Option(
         "--proposers", help="instead: what each proposer contributed (candidates, ok, best speedup, best "
                             "kernels, LLM tokens)")] = False,
+    use_shipped: Shipped = False,
     results: Results = None,
+    json_out: Json = False,
 ) -> None:
     """Show the best verified kernel per problem with its speedup over the fastest library call.
 
     The speedup is the lower of the CUPTI and in-graph ratios against the fastest of
     cuBLAS, cuBLASLt autotuned and torch.matmul from the same run. With --status, show the
-    rows of that status instead (for example the cheats and why).
+    rows of that status instead (for example the cheats and why). With no measurements in
+    the results directory yet, or with --shipped, it shows the measurements shipped with
+    cudal2 (labelled so; they keep no kernel sources, so --export refuses them).
     """
+    format = "json" if json_out else format
     if format not in ("table", "csv", "json", "markdown"):
         raise Cudal2Error(f"unknown format {format!r}; choose table, csv, json or markdown")
     if status is not None and status not in STATUSES:
@@ -64,14 +74,20 @@ def leaderboard_cmd(
         raise Cudal2Error(f"unknown --bench {bench!r}; choose {', '.join(PROTOCOLS)}")
     if export and status is not None:
         raise Cudal2Error("--export writes the best kernels; it does not combine with --status")
+    check_filters(m, n, k, dtype, layout)
     settings = load_settings({"results": results})
     board = Leaderboard(settings.results)
     if migrate:
         replaced, count = board.migrate()
         typer.echo(f"migrated {replaced} part(s), {count} rows, into one part of the current schema", err=True)
-    if not board.parts.exists():
-        raise Cudal2Error(f"no leaderboard in {settings.results} (nothing measured there yet, or another --results)")
-    df = select(board.read(bench), m=m, n=n, k=k, dtype=dtype, layout=layout)
+    rows, from_shipped = shown(settings.results, bench, use_shipped)
+    if from_shipped:
+        if export:
+            raise Cudal2Error("the shipped measurements keep no kernel sources to export: `cudal2 bench --m M --n N "
+                              "--k K --top 1` measures a shape's best recorded kernel here and stores it")
+        typer.echo(f"the measurements shipped with cudal2 ({SHIPPED.relative_to(SHIPPED.parents[2])}"
+                   + ("" if use_shipped else f"; nothing measured in {settings.results} yet") + ")", err=True)
+    df = select(rows, m=m, n=n, k=k, dtype=dtype, layout=layout)
     if gpu is not None:  # 'H200' finds 'NVIDIA H200'
         df = df[df["gpu"].fillna("").str.contains(gpu, case=False, regex=False)]
     keys = ["gpu", "m", "n", "k", "dtype", "layout"]
@@ -83,27 +99,36 @@ def leaderboard_cmd(
     if (named := shape_set(shapes, model, tokens, dtype)) is not None:
         if status is not None:
             raise Cudal2Error("a shape set reports the best kernels; it does not combine with --status")
-        shown = report_shapes(df, named, format)
+        chosen = report_shapes(df, named, format, "shipped" if from_shipped else None)
         if export:
-            export_rows(board, settings.results, shown)
+            export_rows(board, settings.results, chosen)
         return
     if status is None:
         df = best(df, top)
-        columns = keys + SHAPE_COLUMNS[6:] + ["server_us", "speedup_server", "time"]
+        # a terminal's table: what a reader compares; csv, json and markdown carry every method and baseline
+        columns = keys + (["kernel", "kernel_us", "graph_us", "baseline", "baseline_offline_us", "speedup_offline",
+                           "tflops"] if format == "table" else SHAPE_COLUMNS[6:] + ["server_us", "speedup_server", "time"])
     else:
         df = df[df["status"] == status].sort_values(keys + ["time"]).groupby(keys, dropna=False).head(top)
         columns = keys + ["kernel", "status", "error", "time"]
     if export:
         export_rows(board, settings.results, df)
     df = df.sort_values(keys)[columns]
+    if from_shipped:
+        df = df.assign(source="shipped")
     emit_frame(df, format)
+
+
+def check_filters(m: int | None, n: int | None, k: int | None, dtype: str | None, layout: str | None) -> None:
+    """Filters that no row could match are mistakes, said before anything is read."""
+    Problem(m or 1, n or 1, k or 1, dtype or DTYPES[0], layout or LAYOUTS[0])
 
 
 def export_rows(board: Leaderboard, results: Path, rows: pd.DataFrame) -> None:
     """Each best-kernel row as a self-contained .cu file (stderr says where)."""
     from ..runtime import export_best
 
-    paths = [export_best(board, results, row) for row in rows.to_dict("records") if row.get("source_hash")]
+    paths = [export_best(board, results, row) for row in rows.to_dict("records")]
     typer.echo(f"exported {len(paths)} kernel(s) to {results / 'best'}", err=True)
 
 
@@ -158,14 +183,25 @@ def report(
     tokens: TokensOpt = None,
     dtype: Annotated[Optional[str], typer.Option(help="a preset's dtype (default bf16)")] = None,
     bench: Annotated[str, typer.Option(help=f"the rows of this bench protocol ({' | '.join(PROTOCOLS)})")] = PROTOCOL,
+    use_shipped: Shipped = False,
     results: Results = None,
+    json_out: Json = False,
 ) -> None:
-    """Write a self-contained HTML page with plots: speedup per shape against each baseline,
-    achieved TFLOP/s against the roof, which template wins where, tuning cost."""
+    """Write a self-contained HTML page: the verdict and a table per regime (geometric mean,
+    wins, losses), then plots (speedups sorted, speedup by regime, achieved TFLOP/s against
+    the roof, which template wins where, tuning cost), then every shape. Its numbers also go
+    to summary.json beside it (and to stdout with --json)."""
     if bench not in PROTOCOLS:
         raise Cudal2Error(f"unknown --bench {bench!r}; choose {', '.join(PROTOCOLS)}")
     settings = load_settings({"results": results})
-    page = api.report(out, shapes=shape_set(shapes, model, tokens, dtype), results=settings.results, bench=bench)
+    page = api.report(out, shapes=shape_set(shapes, model, tokens, dtype), results=settings.results, bench=bench,
+                      use_shipped=use_shipped)
+    if json_out:
+        print(json.dumps({"page": str(page), **json.loads((page.parent / "summary.json").read_text())}, indent=1))
+        return
+    summary = json.loads((page.parent / "summary.json").read_text())
+    if summary["source"]:
+        typer.echo(f"the measurements shipped with cudal2 ({summary['source']})", err=True)
     print(page)
 
 

@@ -17,7 +17,7 @@ from ..problem import DTYPES, Problem
 from ..tables import (console, err_console, fmt, jsonable, optimize_summary, print_bench_table, print_optimize_summary,
                       progress_display, set_summary, verdict_line)
 from . import (Arch, Dtype, Json, K, Kernels, Layout, M, ModelOpt, N, Params, Results, ShapesOpt, TemplateOpt,
-               TokensOpt, app, cli_errors, parse_params, problems_of, read_kernel_file)
+               TokensOpt, app, check_grid, cli_errors, parse_params, problems_of, read_kernel_file)
 
 @app.command()
 @cli_errors
@@ -60,8 +60,7 @@ def bench(
     problem = Problem.parse(m, n, k, dtype, layout)
     settings = load_settings({"budget": budget, "qps": qps, "results": results, "arch": arch})
     grid = parse_params(param)
-    if grid and not template:
-        raise Cudal2Error("--param needs --template")
+    check_grid(template, grid, settings.arch, settings.device)
     named = [read_kernel_file(p) for p in kernel or []]
 
     def started(env: dict[str, Any], count: int) -> None:
@@ -127,11 +126,15 @@ def optimize(
         raise Cudal2Error(f"unknown mode {mode!r}; choose offline or server")
     if proposer not in ("search", "llm", "hybrid"):
         raise Cudal2Error(f"unknown proposer {proposer!r}; choose search, llm or hybrid")
-    for name, value in (("iterations", iterations), ("batch", batch)):
-        if value < 1:
+    for name, value in (("iterations", iterations), ("batch", batch), ("patience", patience)):
+        if value is not None and value < 1:
             raise Cudal2Error(f"--{name} must be >= 1, got {value}")
+    if time_budget is not None and time_budget <= 0:
+        raise Cudal2Error(f"--time-budget must be > 0 seconds, got {time_budget:g}")
     problems = problems_of(m, n, k, dtype or "fp16", layout, shapes, model, tokens, dtype is not None)
     settings = load_settings({"budget": budget, "results": results, "arch": arch})
+    grid = parse_params(param)
+    check_grid(template, grid, settings.arch, settings.device)
     if cluster is not None:
         if proposer != "search" or gpus or template or param:
             raise Cudal2Error("--cluster runs the search proposer on every worker's GPU: drop --proposer, --gpus, "
@@ -153,6 +156,7 @@ def optimize(
         if failed:
             raise typer.Exit(1)
         return
+    devices = api.gpu_indices(gpus)
     llm_settings = None
     if proposer != "search":
         from ..llm import load_llm_settings
@@ -161,8 +165,8 @@ def optimize(
     with progress_display(json_out, len(problems) * iterations * batch) as on_event:
         tuned = api.optimize(problems, proposer=proposer, iterations=iterations, batch=batch, time_budget=time_budget,
                              patience=patience, seed=seed, llm_settings=llm_settings, replay=replay,
-                             template=template, grid=parse_params(param), mode=mode, remeasure=remeasure,
-                             settings=settings, gpus=api.gpu_indices(gpus), on_event=on_event)
+                             template=template, grid=grid, mode=mode, remeasure=remeasure,
+                             settings=settings, gpus=devices, on_event=on_event)
     outcomes = [t.outcome for t in tuned]
     env, run_id = tuned[0].environment, tuned[0].run_id
     summaries = [{**optimize_summary(p, env, o, run_id), "llm_tokens_run": tuned[0].llm_tokens}
