@@ -394,11 +394,14 @@ def export(library: Path, *, gpu: str | None = None, shapes: list[Problem] | Non
 
 
 def leaderboard(*, results: Path | None = None, bench: str = PROTOCOL, shapes: list[Problem] | None = None,
-                top: int = 1, **filters: Any) -> pd.DataFrame:
+                top: int = 1, use_shipped: bool = False, **filters: Any) -> pd.DataFrame:
     """The best verified kernels per problem (the `top` of each), of one bench protocol:
-    of the shapes given, else of every problem matching `filters` (m, n, k, dtype, layout)."""
-    board = Leaderboard(results or load_settings().results)
-    df = best(select(board.read(bench), **filters), top)
+    of the shapes given, else of every problem matching `filters` (m, n, k, dtype, layout).
+    The shipped measurements with `use_shipped`, or while the results directory has none."""
+    from .leaderboard import shown
+
+    rows, _ = shown(results or load_settings().results, bench, use_shipped)
+    df = best(select(rows, **filters), top)
     if shapes is None:
         return df
     keys = ["m", "n", "k", "dtype", "layout"]
