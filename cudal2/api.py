@@ -25,9 +25,9 @@ from .bench import PROTOCOL
 from .candidate import Candidate
 from .compile import Compiler, find_nvcc
 from .config import Settings, load_settings
-from .environment import default_arch
+from .environment import default_arch, device_error
 from .errors import Cudal2Error
-from .leaderboard import BASELINES, Leaderboard, best, priors, select, shipped, with_shipped
+from .leaderboard import BASELINES, SHIPPED, Leaderboard, best, priors, select, shipped, shown, with_shipped
 from .optimize import Budget, Event, Outcome, optimize_shapes
 from .pipeline import Context, evaluate, measure_baselines, new_run_id
 from .problem import Problem
@@ -148,8 +148,6 @@ def gpu_indices(spec: str | None) -> list[int] | None:
 
         count = cupy.cuda.runtime.getDeviceCount()
     except Exception as exc:  # no driver, no device, no CuPy
-        from .environment import device_error
-
         raise Cudal2Error(device_error(exc)) from None
     if wanted is None:
         return list(range(count))
@@ -358,7 +356,6 @@ def report(out: Path, *, shapes: list[Problem] | None = None, results: Path | No
     kernel per shape of one bench protocol to `out`; returns the page's path. The shipped
     measurements are reported (and labelled so) with `use_shipped`, or while the results
     directory has none."""
-    from .leaderboard import SHIPPED, shown
     from .report import write_report
 
     rows, from_shipped = shown(results or load_settings().results, bench, use_shipped)
@@ -398,8 +395,6 @@ def leaderboard(*, results: Path | None = None, bench: str = PROTOCOL, shapes: l
     """The best verified kernels per problem (the `top` of each), of one bench protocol:
     of the shapes given, else of every problem matching `filters` (m, n, k, dtype, layout).
     The shipped measurements with `use_shipped`, or while the results directory has none."""
-    from .leaderboard import shown
-
     rows, _ = shown(results or load_settings().results, bench, use_shipped)
     df = best(select(rows, **filters), top)
     if shapes is None:

@@ -11,6 +11,7 @@ from typing import Any
 
 from .compile import default_cache_dir
 from .errors import Cudal2Error
+from .render import arch_cc
 
 
 @dataclass(frozen=True)
@@ -81,8 +82,6 @@ def load_settings(cli: dict[str, Any] | None = None, config: Path | None = None)
     if values.get("device", 0) < 0:
         raise Cudal2Error(f"setting device must be >= 0, got {values['device']}")
     if values.get("arch") is not None:
-        from .render import arch_cc
-
         arch_cc(values["arch"])
     for name, what in (("results", "results directory"), ("cache_dir", "kernel cache")):
         if name in values:  # the path, or the nearest part of it that exists, must be a directory

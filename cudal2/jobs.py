@@ -14,6 +14,7 @@ from typing import Any
 
 from .baselines import FINALIST, abi_call, library_calls
 from .bench import STUDY_PROTOCOLS, study_job
+from .environment import device_error
 from .problem import Problem
 from .verify import UNIT_ROUNDOFF, poison_output
 
@@ -35,8 +36,6 @@ def serve(conn, device: int, cupti: bool) -> None:
             pass
         timer = CuptiTimer() if cupti else None
     except Exception as exc:  # no driver, no device, no CuPy, no CUPTI
-        from .environment import device_error
-
         conn.send({"fatal": device_error(exc)})
         return
     conn.send({"environment": environment})

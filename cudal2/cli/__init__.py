@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import functools
 import json
+import os
 import sys
 import warnings
 from pathlib import Path
@@ -19,10 +20,13 @@ try:  # typer carries its own copy of click since 0.20
     from typer._click import exceptions as click_errors
 except ImportError:
     from click import exceptions as click_errors
+NO_ARGS = getattr(click_errors, "NoArgsIsHelpError", ())  # click >= 8.2: a command given nothing
 
 from ..candidate import Candidate
+from ..environment import listed_cc
 from ..errors import Cudal2Error
 from ..problem import DTYPES, Problem
+from ..render import arch_cc, newest_cc, template_grid
 from ..shapes import MODELS, shape_set
 
 app = typer.Typer(add_completion=False, no_args_is_help=True,
@@ -80,6 +84,9 @@ def cli_errors(fn):
                 return fn(*args, **kwargs)
         except Cudal2Error as exc:
             raise fail(str(exc), 1, as_json) from None
+        except BrokenPipeError:  # `cudal2 ... | head`: the reader has what it wanted
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+            raise typer.Exit(1) from None
         except OSError as exc:
             where = f": {exc.filename}" if exc.filename else ""
             raise fail(f"{exc.strerror or exc}{where}", 1, as_json) from None
@@ -105,9 +112,6 @@ def check_grid(template: str | None, grid: dict[str, list[str]], arch: str | Non
     if grid and not template:
         raise Cudal2Error("--param needs --template")
     if template:
-        from ..environment import listed_cc
-        from ..render import arch_cc, newest_cc, template_grid
-
         template_grid(template, grid, arch_cc(arch) if arch else listed_cc(device) or newest_cc(template))
 
 
@@ -145,7 +149,7 @@ def main(argv: list[str] | None = None) -> None:
         a == "--format" and b == "json" for a, b in zip(args, args[1:]))
     try:
         code = app(args=args, prog_name="cudal2", standalone_mode=False)
-    except click_errors.NoArgsIsHelpError as exc:  # `cudal2` or a group alone: its help
+    except NO_ARGS as exc:  # `cudal2` or a group alone: its help
         print(exc.ctx.get_help() if exc.ctx else exc.format_message())
         code = 0
     except click_errors.UsageError as exc:
@@ -153,7 +157,7 @@ def main(argv: list[str] | None = None) -> None:
         raise SystemExit(fail(f"{exc.format_message()} (see `{command} --help`)", 2, as_json).exit_code) from None
     except click_errors.ClickException as exc:
         raise SystemExit(fail(exc.format_message(), exc.exit_code, as_json).exit_code) from None
-    except click_errors.Abort:
+    except typer.Abort:
         raise SystemExit(fail("interrupted", 130, as_json).exit_code) from None
     raise SystemExit(code if isinstance(code, int) else 0)
 
