@@ -71,6 +71,7 @@ SWEEP = [
     # shipped-format rows (no kernel source) in a results directory: refused, not sources/nan.cu
     (("leaderboard", "--results", "{shipped}", "--export"), "has no stored source"),
     (("export", "--library", "{empty}/lib", "--results", "{shipped}"), "has no stored source"),
+    (("check", "--results", "{shipped}"), "has no stored source"),
     (("leaderboard", "--export"), "keep no kernel sources"),  # the shipped rows shown for an empty directory
 ]
 
