@@ -24,7 +24,7 @@ from .compile import Build, Compiler, find_nvcc, first_error_line, library_symbo
 from .config import Settings, load_settings
 from .environment import default_arch
 from .errors import Cudal2Error
-from .leaderboard import Leaderboard, select, shipped
+from .leaderboard import SHIPPED, Leaderboard, select, shipped, shown
 from .llm import ReplayClient, load_llm_settings
 from .optimize import Budget, Event, Outcome
 from .pipeline import Built, Context, evaluate, measure, new_run_id
@@ -260,16 +260,14 @@ def _check_library(root: Path, shapes: list[Problem] | None, fail_under: float, 
 
 
 def report(out: Path, *, shapes: list[Problem] | None = None, results: Path | None = None,
-           protocol: str = PROTOCOL) -> Path:
-    """Writes the HTML report (plots embedded; PNGs beside it) of the best kernel per shape
-    of one bench protocol to `out`; returns the page's path."""
-    board = Leaderboard(results or load_settings().results)
-    if not board.parts.exists():
-        raise Cudal2Error(f"no leaderboard in {board.root} (nothing measured there yet, or another --results)")
-    try:
-        return write_report(board.read(protocol), Path(out), shapes)
-    except ValueError as exc:
-        raise Cudal2Error(f"nothing to report: {exc}") from None
+           protocol: str = PROTOCOL, use_shipped: bool = False) -> Path:
+    """Writes the HTML report (plots embedded; PNGs and summary.json beside it) of the best
+    kernel per shape of one bench protocol to `out`; returns the page's path. The shipped
+    measurements are reported (and labelled so) with `use_shipped`, or while the results
+    directory has none."""
+    rows, from_shipped = shown(results or load_settings().results, protocol, use_shipped)
+    label = str(SHIPPED.relative_to(SHIPPED.parents[2])) if from_shipped else None
+    return write_report(rows, Path(out), shapes, source=label)
 
 
 def export(library: Path, *, gpu: str | None = None, shapes: list[Problem] | None = None,
@@ -301,11 +299,12 @@ def export(library: Path, *, gpu: str | None = None, shapes: list[Problem] | Non
 
 
 def leaderboard(*, results: Path | None = None, protocol: str = PROTOCOL, shapes: list[Problem] | None = None,
-                top: int = 1, **filters: Any) -> pd.DataFrame:
+                top: int = 1, use_shipped: bool = False, **filters: Any) -> pd.DataFrame:
     """The best verified kernels per problem (the `top` of each), of one bench protocol:
-    of the shapes given, else of every problem matching `filters` (m, n, k, dtype, layout)."""
-    board = Leaderboard(results or load_settings().results)
-    df = best(select(board.read(protocol), **filters), top)
+    of the shapes given, else of every problem matching `filters` (m, n, k, dtype, layout).
+    The shipped measurements with `use_shipped`, or while the results directory has none."""
+    rows, _ = shown(results or load_settings().results, protocol, use_shipped)
+    df = best(select(rows, **filters), top)
     if shapes is None:
         return df
     keys = ["m", "n", "k", "dtype", "layout"]

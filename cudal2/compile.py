@@ -12,9 +12,12 @@ import shutil
 import signal
 import struct
 import subprocess
+import sys
 import tempfile
 import threading
 import time
+import warnings
+import zipfile
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor, as_completed
 from dataclasses import asdict, dataclass, field
@@ -80,18 +83,58 @@ def nvcc_version() -> str:
     return match.group(2) if match else out.strip().splitlines()[-1]
 
 
+# Where the CUTLASS/CuTe headers come from when neither CUTLASS_DIR nor the nvidia-cutlass
+# package gives them: that package's wheel, its headers alone unpacked into the cache (its
+# dependencies, scipy and cuda-python among them, are not needed for headers).
+CUTLASS_WHEEL = "nvidia-cutlass==4.2.0.0"
+_HEADERS = ("cutlass_library/source/include/", "cutlass_library/source/tools/util/include/")
+
+
 @functools.cache
 def cutlass_include() -> tuple[Path, ...]:
-    """CUTLASS/CuTe include folders: $CUTLASS_DIR, else the nvidia-cutlass package's."""
+    """CUTLASS/CuTe include folders: $CUTLASS_DIR, else the nvidia-cutlass package's, else the
+    headers of its wheel fetched once into the cache (fetch_cutlass_headers)."""
     if root := os.environ.get("CUTLASS_DIR"):
         base = Path(root)
+    elif (spec := importlib.util.find_spec("cutlass_library")) is not None and spec.origin is not None:
+        base = Path(spec.origin).parent / "source"  # located, not imported (heavy deps)
     else:
-        spec = importlib.util.find_spec("cutlass_library")  # located, not imported (heavy deps)
-        if spec is None or spec.origin is None:
-            return ()
-        base = Path(spec.origin).parent / "source"
+        base = fetch_cutlass_headers(Path(os.environ.get("CUDAL2_CACHE_DIR") or default_cache_dir()))
     dirs = (base / "include", base / "tools" / "util" / "include")
     return tuple(d for d in dirs if d.is_dir())
+
+
+def fetch_cutlass_headers(cache_dir: Path) -> Path:
+    """The CUTLASS source folder (include/, tools/util/include/) under cache_dir/cutlass, made
+    once from CUTLASS_WHEEL (pip download, no dependencies; about 6 MB). Where that fails
+    (offline, no pip) it says how to get them, once, and the templates that need them fail
+    to compile with nvcc's own message."""
+    target = cache_dir / "cutlass" / CUTLASS_WHEEL.split("==")[1]
+    if (target / "include" / "cutlass" / "version.h").is_file():
+        return target
+    try:
+        cache_dir.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryDirectory() as tmp:
+            subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:", "-q",
+                            "-d", tmp, CUTLASS_WHEEL], check=True, capture_output=True, text=True, timeout=600)
+            [wheel] = Path(tmp).glob("*.whl")
+            staging = Path(tempfile.mkdtemp(prefix=".cutlass-", dir=cache_dir))
+            with zipfile.ZipFile(wheel) as archive:
+                for name in archive.namelist():
+                    if name.startswith(_HEADERS) and not name.endswith("/"):
+                        out = staging / name.removeprefix("cutlass_library/source/")
+                        out.parent.mkdir(parents=True, exist_ok=True)
+                        out.write_bytes(archive.read(name))
+            target.parent.mkdir(parents=True, exist_ok=True)
+            try:
+                staging.rename(target)
+            except OSError:  # another process put them in place first
+                shutil.rmtree(staging, ignore_errors=True)
+    except (OSError, ValueError, subprocess.SubprocessError, zipfile.BadZipFile) as exc:
+        lines = (getattr(exc, "stderr", None) or str(exc)).strip().splitlines()
+        warnings.warn(f"CUTLASS headers not found and not fetched ({lines[-1] if lines else type(exc).__name__}): "
+                      f"`pip install {CUTLASS_WHEEL}` or set CUTLASS_DIR; the sm90 templates need them", stacklevel=2)
+    return target
 
 
 @functools.cache
@@ -195,6 +238,10 @@ class Compiler:
                  timeout: float = 600.0, slots: threading.Semaphore | None = None):
         self.arch = arch
         self.root = (cache_dir or default_cache_dir()) / "kernels"
+        try:  # an unusable cache is one line before anything is rendered or measured
+            self.root.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise Cudal2Error(f"cannot use kernel cache {self.root.parent} (CUDAL2_CACHE_DIR): {exc.strerror}") from None
         self.jobs = jobs or os.cpu_count() or 1
         self.timeout = timeout
         # nvcc processes at once; compilers that share `slots` (one per GPU worker) share the cores

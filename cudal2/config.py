@@ -11,6 +11,7 @@ from typing import Any
 
 from .compile import default_cache_dir
 from .errors import Cudal2Error
+from .render import arch_cc
 
 
 @dataclass(frozen=True)
@@ -78,4 +79,13 @@ def load_settings(cli: dict[str, Any] | None = None, config: Path | None = None)
     for name in ("budget", "qps", "timeout", "jobs"):
         if name in values and values[name] <= 0:
             raise Cudal2Error(f"setting {name} must be > 0, got {values[name]}")
+    if values.get("device", 0) < 0:
+        raise Cudal2Error(f"setting device must be >= 0, got {values['device']}")
+    if values.get("arch") is not None:
+        arch_cc(values["arch"])
+    for name, what in (("results", "results directory"), ("cache_dir", "kernel cache")):
+        if name in values:  # the path, or the nearest part of it that exists, must be a directory
+            there = next(p for p in (values[name], *values[name].parents) if p.exists() or p == p.parent)
+            if there.exists() and not there.is_dir():
+                raise Cudal2Error(f"{what} {values[name]}: {there} is a file, not a directory")
     return dataclasses.replace(Settings(), **values)

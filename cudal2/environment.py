@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ctypes
 import shutil
 import subprocess
 from typing import Any
@@ -43,6 +44,23 @@ def driver_version(device: int = 0) -> str | None:
     """The NVIDIA driver's version as nvidia-smi reports it (what a library is recorded with),
     or None where it does not answer."""
     return _nvidia_smi(device, "driver_version").get("driver_version")
+
+
+def listed_cc(device: int = 0) -> int | None:
+    """The device's compute capability as nvidia-smi lists it, without starting CUDA; None
+    where there is no GPU or no nvidia-smi (what parameters are checked against first)."""
+    text = _nvidia_smi(device, "compute_cap").get("compute_cap", "")
+    major, _, minor = text.partition(".")
+    return int(major) * 10 + int(minor) if major.isdigit() and minor.isdigit() else None
+
+
+def device_error(exc: BaseException) -> str:
+    """Why CUDA could not start, in one line: no driver at all, else CUDA's own first line."""
+    try:
+        ctypes.CDLL("libcuda.so.1")
+    except OSError:
+        return "no usable CUDA device: no NVIDIA driver found (libcuda.so.1 cannot be loaded)"
+    return f"no usable CUDA device: {str(exc).splitlines()[0] if str(exc) else type(exc).__name__}"
 
 
 def gpu_temperature(device: int = 0) -> int | None:

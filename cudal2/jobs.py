@@ -14,7 +14,7 @@ from multiprocessing.connection import Connection
 from typing import Any
 
 from .baselines import FINALIST, abi_call, cublas_gemm, library_calls
-from .environment import describe_device
+from .environment import describe_device, device_error
 from .measure import CuptiTimer, Session
 from .problem import Problem
 from .verify import (UNIT_ROUNDOFF, Kernel, Numerics, Operands, Rejected, compare, physical_floor_us, poison_output,
@@ -42,7 +42,7 @@ def serve(conn, device: int, cupti: bool) -> None:
             pass
         timer = CuptiTimer() if cupti else None
     except Exception as exc:  # no driver, no device, no CuPy, no CUPTI
-        conn.send({"fatal": f"no usable CUDA device: {str(exc).splitlines()[0] if str(exc) else type(exc).__name__}"})
+        conn.send({"fatal": device_error(exc)})
         return
     conn.send({"environment": environment})
     handlers = {"kernel": _kernel_job, "kernels": _kernels_job, "baselines": _baselines_job, "round": _round_job,

@@ -40,7 +40,7 @@ SHIPPED_COLUMNS = (
     "cutlass", "arch", "m", "n", "k", "dtype", "layout", "kernel", "template", "params", "status", "registers",
     "smem_bytes", "spill_bytes", "dynamic_smem_bytes", "producer_registers", "consumer_registers", "offline_us",
     "offline_p20_us", "offline_p80_us", "speedup_offline", "tflops", "protocol", "kernel_us", "graph_us",
-    "speedup_kernel", "speedup_graph", "baseline", "baseline_offline_us",
+    "speedup_kernel", "speedup_graph", "baseline", "baseline_offline_us", "floor_us", "floor_fraction",
 )
 
 
@@ -59,6 +59,16 @@ def shipped(protocol: str | None = PROTOCOL, path: Path = SHIPPED) -> pd.DataFra
         return SCHEMA.empty_table().to_pandas()
     df = _read_part(path).to_pandas()
     return df if protocol is None else df[df["protocol"] == protocol].reset_index(drop=True)
+
+
+def shown(results: Path, protocol: str | None = PROTOCOL, use_shipped: bool = False) -> tuple[pd.DataFrame, bool]:
+    """The rows `cudal2 leaderboard` and `cudal2 report` show, and whether they are the
+    shipped measurements: those when asked (`use_shipped`) or when `results` holds no
+    leaderboard part yet (a new user sees what was measured before), else the directory's."""
+    board = Leaderboard(results)
+    if use_shipped or not board.parts.exists() or (board.parts.is_dir() and not any(board.parts.glob("*.parquet"))):
+        return shipped(protocol), True
+    return board.read(protocol), False
 
 
 def with_shipped(recorded: pd.DataFrame, gpu: str | None = None, protocol: str | None = None) -> pd.DataFrame:
@@ -138,8 +148,16 @@ class Leaderboard:
             os.replace(tmp, path)
         return digest
 
-    def source(self, digest: str) -> str:
-        return (self.sources / f"{digest}.cu").read_text()
+    def source(self, digest: str | None) -> str:
+        """A kernel's stored source; a row with none (a shipped measurement keeps no sources)
+        is one line that says how to get one."""
+        path = self.sources / f"{digest}.cu"
+        if not isinstance(digest, str) or not path.is_file():
+            raise Cudal2Error(
+                "a kernel to export or check has no stored source "
+                + (f"({path} is missing)" if isinstance(digest, str) else "(a shipped measurement keeps none)")
+                + ": `cudal2 bench --m M --n N --k K --top 1` measures the best recorded kernel here and stores it")
+        return path.read_text()
 
     def read(self, protocol: str | None = PROTOCOL) -> pd.DataFrame:
         """Rows timed by `protocol` (None: every protocol). Parts written before a

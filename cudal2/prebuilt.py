@@ -86,9 +86,11 @@ class Entry:
         return render(self.candidate, Problem(1, 1, 1, self.dtype, self.layout))  # only dtype and layout shape it
 
 
-def kernel_set(cc: int, measured: pd.DataFrame, regions: bool = True) -> list[Entry]:
+def kernel_set(cc: int, measured: pd.DataFrame, regions: bool = True,
+               on_rank: Callable[[int, int, str], None] | None = None) -> list[Entry]:
     """The set for compute capability `cc` from the measurement rows `measured` (`regions`:
-    with the cost model's picks; ranking the spaces takes a few seconds per region)."""
+    with the cost model's picks; ranking the spaces takes a few seconds per region, and
+    `on_rank(i, of, what)` hears of each before it starts)."""
     templates = load_templates()
     found: dict[tuple[str, str, str], Entry] = {}
 
@@ -108,11 +110,13 @@ def kernel_set(cc: int, measured: pd.DataFrame, regions: bool = True) -> list[En
     gpus = [g for g in rows["gpu"].dropna().unique() if g in RECORDED_MEMORY]
     if gpus and regions:
         device = recorded_device(rows, gpus[0])
-        for region, (m, n, k) in REGIONS.items():
-            for dtype, layout in VARIANTS:
-                ranked = distinct(rank(templates, Problem(m, n, k, dtype, layout), device), templates, PER_REGION)
-                for i, (_, template, params) in enumerate(ranked, 1):
-                    add(template, params, dtype, layout, f"cost model's #{i} for {region} ({m}x{n}x{k} {dtype} {layout})")
+        todo = [(region, shape, variant) for region, shape in REGIONS.items() for variant in VARIANTS]
+        for step, (region, (m, n, k), (dtype, layout)) in enumerate(todo, 1):
+            if on_rank:
+                on_rank(step, len(todo), f"{region} ({m}x{n}x{k} {dtype} {layout})")
+            ranked = distinct(rank(templates, Problem(m, n, k, dtype, layout), device), templates, PER_REGION)
+            for i, (_, template, params) in enumerate(ranked, 1):
+                add(template, params, dtype, layout, f"cost model's #{i} for {region} ({m}x{n}x{k} {dtype} {layout})")
     return sorted(found.values(), key=lambda e: (e.candidate.template, e.dtype, e.layout, str(e.candidate)))
 
 
@@ -240,7 +244,15 @@ def unpack(source: Path, cache_dir: Path) -> int:
     """Adds the kernel builds of a tarball from `pack`, or of another cache directory, to
     `cache_dir`; entries already there are kept. Returns how many were added."""
     target = Path(cache_dir) / "kernels"
-    target.mkdir(parents=True, exist_ok=True)
+    if not Path(source).exists():
+        raise Cudal2Error(f"cannot unpack {source}: no such file or directory")
+    if not Path(source).is_dir() and not tarfile.is_tarfile(source):
+        raise Cudal2Error(f"cannot unpack {source}: not a tarball (`cudal2 prebuild --pack FILE` writes one) "
+                          "nor a cache directory")
+    try:
+        target.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise Cudal2Error(f"cannot use kernel cache {cache_dir} (CUDAL2_CACHE_DIR): {exc.strerror}") from None
     added = 0
     if Path(source).is_dir():
         for meta in (Path(source) / "kernels").glob("*/*/build.json"):
@@ -252,20 +264,23 @@ def unpack(source: Path, cache_dir: Path) -> int:
                 added += 1
         listed = _read_manifest_file(Path(source) / MANIFEST)
     else:
-        with tarfile.open(source, "r:gz") as tar:
-            members, listed = tar.getmembers(), {}
-            for member in members:
-                parts = Path(member.name).parts
-                if member.name == MANIFEST and member.isfile():
-                    listed = json.loads(tar.extractfile(member).read() or b"{}")
-                elif parts[:1] != ("kernels",) or ".." in parts or not (member.isfile() or member.isdir()):
-                    raise Cudal2Error(f"{source}: {member.name!r} is not a kernel build of a cudal2 cache")
-            builds = [m for m in members if m.name != MANIFEST]
-            keys = {Path(m.name).parts[1:3] for m in builds if len(Path(m.name).parts) >= 3}
-            fresh = {key for key in keys if not (target / key[0] / key[1]).exists()}
-            tar.extractall(Path(cache_dir), members=[m for m in builds if tuple(Path(m.name).parts[1:3]) in fresh],
-                           filter="data")
-            added = len(fresh)
+        try:
+            with tarfile.open(source, "r:gz") as tar:
+                members, listed = tar.getmembers(), {}
+                for member in members:
+                    parts = Path(member.name).parts
+                    if member.name == MANIFEST and member.isfile():
+                        listed = json.loads(tar.extractfile(member).read() or b"{}")
+                    elif parts[:1] != ("kernels",) or ".." in parts or not (member.isfile() or member.isdir()):
+                        raise Cudal2Error(f"{source}: {member.name!r} is not a kernel build of a cudal2 cache")
+                builds = [m for m in members if m.name != MANIFEST]
+                keys = {Path(m.name).parts[1:3] for m in builds if len(Path(m.name).parts) >= 3}
+                fresh = {key for key in keys if not (target / key[0] / key[1]).exists()}
+                tar.extractall(Path(cache_dir), members=[m for m in builds if tuple(Path(m.name).parts[1:3]) in fresh],
+                               filter="data")
+                added = len(fresh)
+        except (tarfile.TarError, OSError, EOFError) as exc:  # a truncated or corrupt tarball
+            raise Cudal2Error(f"cannot unpack {source}: {exc}") from None
     fields = {"template", "params", "dtype", "layout"}
     for arch, records in (listed.items() if isinstance(listed, dict) else []):
         _add_to_manifest(cache_dir, arch, [r for r in records if isinstance(r, dict) and fields <= r.keys()])

@@ -8,6 +8,7 @@ from .errors import Cudal2Error
 
 DTYPES = ("fp16", "bf16")
 LAYOUTS = ("nn", "nt")
+MAX_DIM = 2**31 - 1  # the kernel ABI passes M, N and K as C ints
 LAYOUT_HELP = {
     "nn": "A[M,K] @ B[K,N], both row-major",
     "nt": "A[M,K] @ W[N,K]^T, W row-major as a Linear layer stores it",
@@ -31,6 +32,8 @@ class Problem:
                 raise Cudal2Error(f"{name} must be an integer, got {value!r}")
             if value < 1:
                 raise Cudal2Error(f"{name} must be >= 1, got {value}")
+            if value > MAX_DIM:
+                raise Cudal2Error(f"{name} must be < 2^31 (the kernel ABI passes it as an int), got {value}")
         if self.dtype not in DTYPES:
             raise Cudal2Error(f"unknown dtype {self.dtype!r}; choose one of {', '.join(DTYPES)}")
         if self.layout not in LAYOUTS:

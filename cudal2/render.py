@@ -5,6 +5,7 @@ from __future__ import annotations
 import functools
 import itertools
 import json
+import re
 import tomllib
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
@@ -42,11 +43,19 @@ def bundled_dir(name: str) -> Path:
 
 
 def arch_cc(arch: str) -> int:
-    """'sm_90a' -> 90."""
-    digits = "".join(ch for ch in arch.removeprefix("sm_") if ch.isdigit())
-    if not arch.startswith("sm_") or not digits:
-        raise Cudal2Error(f"unknown architecture {arch!r}; expected a name like sm_90a or sm_80")
-    return int(digits)
+    """'sm_90a' -> 90; a name nvcc would not take, or a target no template knows, is an error."""
+    found = re.fullmatch(r"sm_(\d+)[af]?", arch)
+    if not found or int(found[1]) not in MAX_SMEM:
+        raise Cudal2Error(f"unknown architecture {arch!r}; expected one of "
+                          f"{', '.join(f'sm_{cc}' + ('a' if cc in (90, 100) else '') for cc in MAX_SMEM)}")
+    return int(found[1])
+
+
+def newest_cc(template: str) -> int:
+    """The newest target `template` runs on: what its parameters are checked against before
+    a GPU says which one it is (on a machine without one, or before it is started)."""
+    space = get_template(template).space
+    return max(cc for cc in MAX_SMEM if space.runs_on(cc))
 
 
 @functools.cache

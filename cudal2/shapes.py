@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import csv
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -39,17 +40,23 @@ MODELS = {
 }
 
 
-def preset(model: str, tokens: str, dtype: str = "bf16") -> list[Problem]:
-    """The projections of `model` at each token count of `tokens` ("1,16,128"): M = tokens,
-    layout nt (x @ W^T, as a Linear layer stores W)."""
+def preset(model: str, tokens: str | int | Iterable[int], dtype: str = "bf16") -> list[Problem]:
+    """The projections of `model` at each token count of `tokens` ("1,16,128", 16 or
+    [1, 16, 128]): M = tokens, layout nt (x @ W^T, as a Linear layer stores W)."""
     if model not in MODELS:
         raise Cudal2Error(f"unknown model {model!r}; choose one of {', '.join(MODELS)}")
+    items = tokens.split(",") if isinstance(tokens, str) else [tokens] if isinstance(tokens, int) else list(tokens)
     counts = []
-    for text in tokens.split(","):
+    for item in items:
         try:
-            counts.append(int(text.strip()))
+            count = int(item.strip()) if isinstance(item, str) else item
         except ValueError:
-            raise Cudal2Error(f"--tokens takes comma-separated integers, got {tokens!r}") from None
+            count = None
+        if isinstance(count, bool) or not isinstance(count, int):
+            raise Cudal2Error(f"tokens take comma-separated integers, got {tokens!r}")
+        if count < 1:
+            raise Cudal2Error(f"tokens must be >= 1 (the GEMMs' M), got {count}")
+        counts.append(count)
     return list(dict.fromkeys(Problem(t, n, k, dtype, "nt") for t in counts
                               for n, k in MODELS[model].projections.values()))
 
@@ -58,7 +65,7 @@ def read_shapes(path: Path) -> list[Problem]:
     """The problems of a shape-set CSV: columns m, n, k, and optionally dtype (fp16) and
     layout (nn); other columns are ignored. A malformed row is named by its line."""
     try:
-        with open(path, newline="") as f:
+        with open(path, newline="", encoding="utf-8-sig") as f:  # a spreadsheet's byte-order mark is not a column
             reader = csv.DictReader(f)
             rows, fields = list(reader), reader.fieldnames or []
     except (OSError, UnicodeDecodeError) as exc:

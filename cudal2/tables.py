@@ -6,7 +6,9 @@ from __future__ import annotations
 import contextlib
 import json
 import math
+import os
 import sys
+import textwrap
 from typing import Any
 
 import pandas as pd
@@ -32,8 +34,31 @@ def show_table(headers: list[str], rows: list[list[str]]) -> None:
         console.print(table)
         return
     widths = [max(len(h), *(len(r[i]) for r in rows)) if rows else len(h) for i, h in enumerate(headers)]
+    widths = _fit(widths, width_limit())
     for line in [headers, *rows]:
-        print("  ".join(cell.ljust(w) for cell, w in zip(line, widths)).rstrip())
+        cells = [textwrap.wrap(cell, w, break_on_hyphens=False) or [""] for cell, w in zip(line, widths)]
+        for i in range(max(map(len, cells))):
+            print("  ".join((c[i] if i < len(c) else "").ljust(w) for c, w in zip(cells, widths)).rstrip())
+
+
+def width_limit() -> int | None:
+    """The width a plain table keeps within: $COLUMNS where it is set (none otherwise: a log
+    or a pipe gets whole lines)."""
+    try:
+        return int(os.environ["COLUMNS"])
+    except (KeyError, ValueError):
+        return None
+
+
+def _fit(widths: list[int], limit: int | None, gap: int = 2, narrowest: int = 6) -> list[int]:
+    """Column widths narrowed, widest first, until the line fits `limit` (cells then wrap)."""
+    widths = list(widths)
+    while limit and sum(widths) + gap * (len(widths) - 1) > limit:
+        widest = max(range(len(widths)), key=widths.__getitem__)
+        if widths[widest] <= narrowest:
+            break
+        widths[widest] -= 1
+    return widths
 
 
 def fmt(value: Any, digits: int = 2) -> str:
@@ -186,10 +211,10 @@ SHAPE_COLUMNS = ["gpu", "m", "n", "k", "dtype", "layout", "kernel", "kernel_us",
                  "speedup_vs_torch", "speedup_offline", "tflops", "floor_us", "floor_fraction", "protocol"]
 
 
-def report_shapes(df: pd.DataFrame, problems: list[Problem], format: str) -> pd.DataFrame:
+def report_shapes(df: pd.DataFrame, problems: list[Problem], format: str, source: str | None = None) -> pd.DataFrame:
     """The best kernel of every listed problem (per GPU), then the geometric mean and the
     minimum of their speedups; a problem with no verified kernel is listed as missing.
-    Returns the winners' full rows."""
+    `source` labels every row (the shipped measurements). Returns the winners' full rows."""
     winners = best(df, 1)
     chosen = []
     columns = SHAPE_COLUMNS
@@ -202,10 +227,12 @@ def report_shapes(df: pd.DataFrame, problems: list[Problem], format: str) -> pd.
         rows += found[columns].to_dict("records")
         chosen.append(found)
     frame = pd.DataFrame(rows, columns=columns)
+    if source is not None:
+        frame["source"] = source
     speedups = frame["speedup_offline"].dropna()
     summary = {
         "shapes": len(problems), "measured": int(len(speedups)), "missing": int(frame["speedup_offline"].isna().sum()),
-        **speedup_summary([float(v) for v in speedups]),
+        **speedup_summary([float(v) for v in speedups]), **({"source": source} if source else {}),
     }
     if format == "json":
         print(json.dumps({"rows": jsonable(frame.to_dict("records")), "summary": summary}, indent=1))

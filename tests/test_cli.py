@@ -189,8 +189,21 @@ def test_leaderboard_filters_top_and_status(results):
     assert {r["gpu"] for r in shown} == {"NVIDIA H200"}  # part of the name, any case
 
 
-def test_a_results_directory_without_a_leaderboard_is_an_error(tmp_path):
-    one_line_error(run("leaderboard", "--results", tmp_path / "nowhere"), "no leaderboard in")
+def test_a_results_directory_without_a_leaderboard_shows_the_shipped_measurements(tmp_path):
+    from cudal2.leaderboard import shipped
+
+    table = run("leaderboard", "--results", tmp_path / "nowhere")
+    assert table.exit_code == 0 and "measurements shipped with cudal2" in table.stderr and "128" in table.stdout
+    # a script asks for them by name: JSON of an empty results directory is [] (nothing measured here)
+    result = run("leaderboard", "--results", tmp_path / "nowhere", "--shipped", "--json")
+    assert result.exit_code == 0 and "measurements shipped with cudal2" in result.stderr
+    rows = json.loads(result.stdout)
+    recorded = shipped()
+    assert len(rows) == len(recorded.groupby(["gpu", "m", "n", "k", "dtype", "layout"])) > 200  # one per problem
+    assert {r["source"] for r in rows} == {"shipped"}
+    asked = json.loads(run("leaderboard", "--shipped", "--m", 128, "--n", 64, "--k", 64, "--json").stdout)
+    assert [(r["m"], r["n"], r["k"], r["source"]) for r in asked] == [(128, 64, 64, "shipped")]
+    one_line_error(run("leaderboard", "--results", tmp_path, "--export"), "keep no kernel sources")
 
 
 def test_a_script_reads_an_empty_results_directory_as_an_empty_list(tmp_path):
@@ -230,10 +243,10 @@ def test_leaderboard_reports_a_model_preset(tmp_path):
     one_line_error(run("leaderboard", "--results", tmp_path, "--model", "gpt-9"), "unknown model 'gpt-9'")
 
 
-def test_report_writes_a_self_contained_page_with_its_plots(tmp_path):
+def test_report_writes_a_self_contained_page_summary_first(tmp_path):
     lb = Leaderboard(tmp_path)
     common = {"kernel_us": 150.0, "graph_us": 152.0, "speedup_vs_cublas": 1.1, "speedup_vs_cublaslt": 1.05,
-              "speedup_vs_torch": 1.07, "tflops": 800.0, "sm_count": 132, "max_sm_clock_mhz": 1980, "cc": 90,
+              "tflops": 800.0, "sm_count": 132, "max_sm_clock_mhz": 1980, "cc": 90,
               "compile_s": 60.0, "template": "sm90_cutlass"}
     lb.append([row("fast", 1.05, **common), row("decode", 0.97, m=16, **{**common, "template": "sm80_mma"}),
                row("old", 2.0, m=8, protocol="fenced", **common)])
@@ -242,9 +255,38 @@ def test_report_writes_a_self_contained_page_with_its_plots(tmp_path):
     assert result.exit_code == 0, result.output
     page = (out / "index.html").read_text()
     assert "1 win(s)" in page  # 1.05 wins; the fenced row's 2.0 is another protocol's
-    for plot in ("speedup", "roofline", "templates", "tuning"):
+    for plot in ("speedups", "regimes", "roofline", "templates", "tuning"):
         assert (out / f"{plot}.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
         assert f'alt="{plot}" src="data:image/png;base64,' in page  # embedded: the page stands alone
     assert "4096x4096x4096 fp16" in page and "16x4096x4096 fp16" in page and "8x4096x4096" not in page
     assert "geometric mean\n<b>1.009</b>, minimum <b>0.970</b>" in page
-    one_line_error(run("report", "--out", out, "--results", tmp_path / "none"), "no leaderboard in")
+    # the summary (per regime) comes before the plots, the long table last
+    assert page.index("<th>regime</th><th>shapes</th><th>geomean</th>") < page.index('alt="speedups"') < page.index(
+        "Every shape")
+    summary = json.loads((out / "summary.json").read_text())
+    assert [(r["regime"], r["shapes"], r["wins"], r["losses"]) for r in summary["regimes"]] == [
+        ("decode", 1, 0, 1), ("large", 1, 1, 0), ("all", 2, 1, 1)]  # 0.97: at the tie band's edge, a loss
+    # only the baselines the rows carry: no torch.matmul column when no row has it
+    assert "vs cuBLASLt autotuned" in page and "vs torch.matmul" not in page
+    printed = json.loads(run("report", "--out", out, "--results", tmp_path, "--json").stdout)
+    assert printed["page"] == str(out / "index.html") and printed["regimes"] == summary["regimes"]
+
+
+def test_report_on_an_empty_results_directory_is_of_the_shipped_measurements(tmp_path):
+    out = tmp_path / "report"
+    result = run("report", "--out", out, "--results", tmp_path / "none", "--json")
+    assert result.exit_code == 0, result.output
+    summary = json.loads(result.stdout)
+    assert summary["source"] == "cudal2/data/measurements.parquet" and summary["shapes"] > 200
+    assert {r["regime"] for r in summary["regimes"]} >= {"few-tile long-K", "short-K", "decode", "large", "unaligned"}
+    page = (out / "index.html").read_text()
+    assert "measurements shipped with cudal2" in page
+    assert not (out / "tuning.png").exists() and "no tuning-cost plot" in page  # shipped rows keep no compile times
+
+
+def test_plain_tables_keep_within_columns(monkeypatch, tmp_path):
+    """A pipe or a log gets whole lines; with COLUMNS set, tables and descriptions wrap to it."""
+    for args, width in ((("templates",), 100), (("leaderboard", "--shipped"), 160)):
+        lines = run(*args, env={"COLUMNS": str(width)}).stdout.splitlines()
+        assert len(lines) > 10 and max(map(len, lines)) <= width, max(lines, key=len)
+    assert max(map(len, run("templates", env={"COLUMNS": "wide"}).stdout.splitlines())) > 200

@@ -14,6 +14,22 @@ def test_llama3_8b_preset_is_the_dev_sets_projections():
     assert len(preset("llama3-70b", "1,16,128,4096")) == 16
     assert preset("qwen2-7b", "8")[0] == Problem(8, 3584 + 2 * 4 * 128, 3584, "bf16", "nt")
     assert all(model.source.endswith("config.json") for model in MODELS.values())
+    # token counts as Python gives them: an int, a list
+    assert preset("llama3-8b", 16) == preset("llama3-8b", "16") and preset("llama3-8b", [1, 16]) == preset(
+        "llama3-8b", "1,16")
+
+
+def test_a_shape_file_saved_with_a_byte_order_mark_reads(tmp_path):
+    path = tmp_path / "excel.csv"
+    path.write_bytes("m,n,k\r\n128,64,64\r\n".encode("utf-8-sig"))
+    assert read_shapes(path) == [Problem(128, 64, 64)]
+
+
+def test_the_examples_shape_file_reads():
+    from conftest import ROOT
+
+    problems = read_shapes(ROOT / "examples" / "shapes.csv")
+    assert Problem(128, 64, 64) in problems and len(problems) == len(set(problems))
 
 
 def test_a_shape_file_names_its_defaults_and_its_bad_rows(tmp_path):

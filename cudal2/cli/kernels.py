@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import textwrap
 import time
 from pathlib import Path
 from typing import Annotated, Optional
@@ -17,7 +18,7 @@ from ..config import load_settings
 from ..errors import Cudal2Error
 from ..leaderboard import Leaderboard, with_shipped
 from ..problem import Problem
-from ..tables import err_console, fmt, show_table
+from ..tables import err_console, fmt, show_table, width_limit
 from .options import (Arch, Dtype, Json, Kernels, Layout, Params, Results, TemplateOpt, app, cli_errors, parse_params,
                read_kernel_file)
 
@@ -97,7 +98,13 @@ def prebuild(
     if settings.arch is None:
         raise Cudal2Error("prebuild needs --arch (e.g. sm_90a) or CUDAL2_ARCH")
     measured = with_shipped(Leaderboard(settings.results).read(protocol=None))
-    entries = prebuilt.kernel_set(render_stage.arch_cc(settings.arch), measured)
+    began = time.perf_counter()
+
+    def ranking(step: int, of: int, what: str) -> None:  # the cost model ranks whole spaces: say so as it goes
+        err_console.print(f"choosing the set: cost model ranking {step}/{of}, {what} "
+                          f"({time.perf_counter() - began:.0f} s)")
+
+    entries = prebuilt.kernel_set(render_stage.arch_cc(settings.arch), measured, on_rank=ranking)
     if not entries:
         raise Cudal2Error(f"no measurements of a {settings.arch} GPU to choose a kernel set from")
     if list_only:
@@ -152,9 +159,10 @@ def templates(json_out: Json = False) -> None:
                               for p in t.space.params.values()}}
             for name, t in found.items()}, indent=1))
         return
+    width = width_limit() or 10**6  # a log or a pipe: whole lines
     for name, t in found.items():
-        print(f"{name}: {t.space.description}")
+        print(textwrap.fill(f"{name}: {t.space.description}", width=width))
         show_table(["parameter", "values", "default", "meaning"],
                    [[p.name, ", ".join(map(str, p.values)), str(p.default), p.help] for p in t.space.params.values()])
-        print("constraints: " + "; ".join(t.space.constraints))
+        print(textwrap.fill("constraints: " + "; ".join(t.space.constraints), width=width, break_on_hyphens=False))
 

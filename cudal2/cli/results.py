@@ -12,12 +12,17 @@ import typer
 from .. import api
 from ..config import load_settings
 from ..errors import Cudal2Error
-from ..leaderboard import STATUSES, Leaderboard, best, contributions, select
+from ..leaderboard import SHIPPED, STATUSES, Leaderboard, best, contributions, select, shown
+from ..problem import DTYPES, LAYOUTS, Problem
 from ..protocol import EARLIER_PROTOCOLS, PROTOCOL, PROTOCOLS
 from ..runtime import MIN_SPEEDUP, DispatchTable, export_best
 from ..shapes import shape_set
 from ..tables import SHAPE_COLUMNS, emit_frame, fmt, jsonable, report_shapes, show_table
 from .options import Json, ModelOpt, Results, TokensOpt, app, cli_errors
+
+Shipped = Annotated[bool, typer.Option(
+    "--shipped", help="the measurements shipped with cudal2 (cudal2/data/measurements.parquet) instead of the "
+                      "results directory's; shown anyway while the results directory has none")]
 
 @app.command("leaderboard")
 @cli_errors
@@ -47,14 +52,62 @@ def leaderboard_cmd(
     proposers: Annotated[bool, typer.Option(
         "--proposers", help="instead: what each proposer contributed (candidates, ok, best speedup, best "
                             "kernels, LLM tokens)")] = False,
+    use_shipped: Shipped = False,
     results: Results = None,
+    json_out: Json = False,
 ) -> None:
     """Show the best verified kernel per problem with its speedup over the fastest library call.
 
     The speedup is the lower of the CUPTI and in-graph ratios against the fastest of
     cuBLAS, cuBLASLt autotuned and torch.matmul from the same run. With --status, show the
-    rows of that status instead (for example the cheats and why).
+    rows of that status instead (for example the cheats and why). With no measurements in
+    the results directory yet, or with --shipped, it shows the measurements shipped with
+    cudal2 (labelled so; they keep no kernel sources, so --export refuses them).
     """
+    format = "json" if json_out else format
+    check_options(format, status, top, protocol, export)
+    check_filters(m, n, k, dtype, layout)
+    settings = load_settings({"results": results})
+    board = Leaderboard(settings.results)
+    if migrate:
+        replaced, count = board.migrate()
+        typer.echo(f"migrated {replaced} part(s), {count} rows, into one part of the current schema", err=True)
+    if format == "json" and not use_shipped and not board.parts.exists():  # nothing measured yet: [], not an error
+        print("[]")
+        return
+    rows, from_shipped = shown_rows(settings.results, protocol, use_shipped, export)
+    df = select(rows, m=m, n=n, k=k, dtype=dtype, layout=layout)
+    if gpu is not None:  # 'H200' finds 'NVIDIA H200'
+        df = df[df["gpu"].fillna("").str.contains(gpu, case=False, regex=False)]
+    keys = ["gpu", "m", "n", "k", "dtype", "layout"]
+    if proposers:
+        emit_frame(contributions(df, settings.results), format)
+        return
+    if (named := shape_set(shapes, model, tokens, dtype)) is not None:
+        if status is not None:
+            raise Cudal2Error("a shape set reports the best kernels; it does not combine with --status")
+        chosen = report_shapes(df, named, format, "shipped" if from_shipped else None)
+        if export:
+            export_rows(board, settings.results, chosen)
+        return
+    if status is None:
+        df = best(df, top)
+        # a terminal's table: what a reader compares; csv, json and markdown carry every method and baseline
+        columns = keys + (["kernel", "kernel_us", "graph_us", "baseline", "baseline_offline_us", "speedup_offline",
+                           "tflops"] if format == "table" else SHAPE_COLUMNS[6:] + ["server_us", "speedup_server", "time"])
+    else:
+        df = df[df["status"] == status].sort_values(keys + ["time"]).groupby(keys, dropna=False).head(top)
+        columns = keys + ["kernel", "status", "error", "time"]
+    if export:
+        export_rows(board, settings.results, df)
+    df = df.sort_values(keys)[columns]
+    if from_shipped:
+        df = df.assign(source="shipped")
+    emit_frame(df, format)
+
+
+def check_options(format: str, status: str | None, top: int, protocol: str, export: bool) -> None:
+    """The leaderboard's options that cannot go together or name nothing, said before anything is read."""
     if format not in ("table", "csv", "json", "markdown"):
         raise Cudal2Error(f"unknown format {format!r}; choose table, csv, json or markdown")
     if status is not None and status not in STATUSES:
@@ -65,41 +118,24 @@ def leaderboard_cmd(
         raise Cudal2Error(f"unknown --protocol {protocol!r}; choose {', '.join(PROTOCOLS)}")
     if export and status is not None:
         raise Cudal2Error("--export writes the best kernels; it does not combine with --status")
-    settings = load_settings({"results": results})
-    board = Leaderboard(settings.results)
-    if migrate:
-        replaced, count = board.migrate()
-        typer.echo(f"migrated {replaced} part(s), {count} rows, into one part of the current schema", err=True)
-    if not board.parts.exists() and format == "json":  # nothing measured yet: an empty list, not an error
-        print("[]")
-        return
-    if not board.parts.exists():
-        raise Cudal2Error(f"no leaderboard in {settings.results} (nothing measured there yet, or another --results)")
-    df = select(board.read(protocol), m=m, n=n, k=k, dtype=dtype, layout=layout)
-    if gpu is not None:  # 'H200' finds 'NVIDIA H200'
-        df = df[df["gpu"].fillna("").str.contains(gpu, case=False, regex=False)]
-    keys = ["gpu", "m", "n", "k", "dtype", "layout"]
-    if proposers:
 
-        emit_frame(contributions(df, settings.results), format)
-        return
-    if (named := shape_set(shapes, model, tokens, dtype)) is not None:
-        if status is not None:
-            raise Cudal2Error("a shape set reports the best kernels; it does not combine with --status")
-        shown = report_shapes(df, named, format)
+
+def shown_rows(results: Path, protocol: str, use_shipped: bool, export: bool) -> tuple[pd.DataFrame, bool]:
+    """The rows to show (leaderboard.shown) and whether they are the shipped ones, which
+    stderr labels and --export refuses (they keep no sources)."""
+    rows, from_shipped = shown(results, protocol, use_shipped)
+    if from_shipped:
         if export:
-            export_rows(board, settings.results, shown)
-        return
-    if status is None:
-        df = best(df, top)
-        columns = keys + SHAPE_COLUMNS[6:] + ["server_us", "speedup_server", "time"]
-    else:
-        df = df[df["status"] == status].sort_values(keys + ["time"]).groupby(keys, dropna=False).head(top)
-        columns = keys + ["kernel", "status", "error", "time"]
-    if export:
-        export_rows(board, settings.results, df)
-    df = df.sort_values(keys)[columns]
-    emit_frame(df, format)
+            raise Cudal2Error("the shipped measurements keep no kernel sources to export: `cudal2 bench --m M --n N "
+                              "--k K --top 1` measures a shape's best recorded kernel here and stores it")
+        typer.echo(f"the measurements shipped with cudal2 ({SHIPPED.relative_to(SHIPPED.parents[2])}"
+                   + ("" if use_shipped else f"; nothing measured in {results} yet") + ")", err=True)
+    return rows, from_shipped
+
+
+def check_filters(m: int | None, n: int | None, k: int | None, dtype: str | None, layout: str | None) -> None:
+    """Filters that no row could match are mistakes, said before anything is read."""
+    Problem(m or 1, n or 1, k or 1, dtype or DTYPES[0], layout or LAYOUTS[0])
 
 
 def export_rows(board: Leaderboard, results: Path, rows: pd.DataFrame) -> None:
@@ -158,15 +194,25 @@ def report(
     dtype: Annotated[Optional[str], typer.Option(help="a preset's dtype (default bf16)")] = None,
     protocol: Annotated[str, typer.Option(
         "--protocol", "--bench", help=f"the rows of this bench protocol ({' | '.join(PROTOCOLS)})")] = PROTOCOL,
+    use_shipped: Shipped = False,
     results: Results = None,
+    json_out: Json = False,
 ) -> None:
-    """Write a self-contained HTML page with plots: speedup per shape against each baseline,
-    achieved TFLOP/s against the roof, which template wins where, tuning cost."""
+    """Write a self-contained HTML page: the verdict and a table per regime (geometric mean,
+    wins, losses), then plots (speedups sorted, speedup by regime, achieved TFLOP/s against
+    the roof, which template wins where, tuning cost), then every shape. Its numbers also go
+    to summary.json beside it (and to stdout with --json)."""
     if protocol not in PROTOCOLS:
         raise Cudal2Error(f"unknown --protocol {protocol!r}; choose {', '.join(PROTOCOLS)}")
     settings = load_settings({"results": results})
-    page = api.report(out, shapes=shape_set(shapes, model, tokens, dtype), results=settings.results,
-                      protocol=protocol)
+    page = api.report(out, shapes=shape_set(shapes, model, tokens, dtype), results=settings.results, protocol=protocol,
+                      use_shipped=use_shipped)
+    if json_out:
+        print(json.dumps({"page": str(page), **json.loads((page.parent / "summary.json").read_text())}, indent=1))
+        return
+    summary = json.loads((page.parent / "summary.json").read_text())
+    if summary["source"]:
+        typer.echo(f"the measurements shipped with cudal2 ({summary['source']})", err=True)
     print(page)
 
 

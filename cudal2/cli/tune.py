@@ -11,6 +11,7 @@ import typer
 from .. import api
 from ..cluster import optimize_on_cluster
 from ..config import load_settings
+from ..environment import device_error
 from ..errors import Cudal2Error
 from ..llm import load_llm_settings
 from ..problem import DTYPES, Problem
@@ -18,7 +19,7 @@ from ..protocol import PROTOCOL, best_row
 from ..tables import (console, err_console, fmt, jsonable, optimize_summary, print_bench_table, print_optimize_summary,
                       progress_display, set_summary, verdict_line)
 from .options import (Arch, Dtype, Json, K, Kernels, Layout, M, ModelOpt, N, Params, Results, ShapesOpt, TemplateOpt,
-               TokensOpt, app, cli_errors, parse_params, problems_of, read_kernel_file)
+               TokensOpt, app, check_grid, cli_errors, parse_params, problems_of, read_kernel_file)
 
 @app.command()
 @cli_errors
@@ -55,8 +56,7 @@ def bench(
     problem = Problem.parse(m, n, k, dtype, layout)
     settings = load_settings({"budget": budget, "qps": qps, "results": results, "arch": arch})
     grid = parse_params(param)
-    if grid and not template:
-        raise Cudal2Error("--param needs --template")
+    check_grid(template, grid, settings.arch, settings.device)
     named = [read_kernel_file(p) for p in kernel or []]
 
     def started(env: dict[str, Any], count: int) -> None:
@@ -122,11 +122,15 @@ def optimize(
         raise Cudal2Error(f"unknown mode {mode!r}; choose offline or server")
     if proposer not in ("search", "llm", "hybrid"):
         raise Cudal2Error(f"unknown proposer {proposer!r}; choose search, llm or hybrid")
-    for name, value in (("iterations", iterations), ("batch", batch)):
-        if value < 1:
+    for name, value in (("iterations", iterations), ("batch", batch), ("patience", patience)):
+        if value is not None and value < 1:
             raise Cudal2Error(f"--{name} must be >= 1, got {value}")
+    if time_budget is not None and time_budget <= 0:
+        raise Cudal2Error(f"--time-budget must be > 0 seconds, got {time_budget:g}")
     problems = problems_of(m, n, k, dtype or "fp16", layout, shapes, model, tokens, dtype is not None)
     settings = load_settings({"budget": budget, "results": results, "arch": arch})
+    grid = parse_params(param)
+    check_grid(template, grid, settings.arch, settings.device)
     if cluster is not None:
         if proposer != "search" or gpus or template or param:
             raise Cudal2Error("--cluster runs the search proposer on every worker's GPU: drop --proposer, --gpus, "
@@ -135,14 +139,15 @@ def optimize(
             "iterations": iterations, "batch": batch, "time_budget": time_budget, "patience": patience,
             "seed": seed, "mode": mode, "remeasure": remeasure})
         return
+    devices = gpu_indices(gpus)
     llm_settings = None
     if proposer != "search":
         llm_settings = load_llm_settings({"model": llm_model, "base_url": base_url})
     with progress_display(json_out, len(problems) * iterations * batch) as on_event:
         tuned = api.optimize(problems, proposer=proposer, iterations=iterations, batch=batch, time_budget=time_budget,
                              patience=patience, seed=seed, llm_settings=llm_settings, replay=replay,
-                             template=template, grid=parse_params(param), mode=mode, remeasure=remeasure,
-                             settings=settings, gpus=gpu_indices(gpus), on_event=on_event)
+                             template=template, grid=grid, mode=mode, remeasure=remeasure,
+                             settings=settings, gpus=devices, on_event=on_event)
     _print_tuned(tuned, mode, json_out, one_shape=shapes is None and model is None)
 
 
@@ -192,17 +197,19 @@ def gpu_indices(spec: str | None) -> list[int] | None:
     if spec is None:
         return None
     try:
+        wanted = None if spec.strip() == "all" else [int(part) for part in spec.split(",")]
+    except ValueError:
+        raise Cudal2Error(f"--gpus takes 'all' or comma-separated indices, got {spec!r}") from None
+    if wanted is not None and min(wanted) < 0:
+        raise Cudal2Error(f"--gpus takes device indices >= 0, got {spec!r}")
+    try:
         import cupy
 
         count = cupy.cuda.runtime.getDeviceCount()
     except Exception as exc:  # no driver, no device, no CuPy
-        raise Cudal2Error(f"no usable CUDA device: {str(exc).splitlines()[0] if str(exc) else type(exc).__name__}") from None
-    if spec.strip() == "all":
+        raise Cudal2Error(device_error(exc)) from None
+    if wanted is None:
         return list(range(count))
-    try:
-        wanted = [int(part) for part in spec.split(",")]
-    except ValueError:
-        raise Cudal2Error(f"--gpus takes 'all' or comma-separated indices, got {spec!r}") from None
     for index in wanted:
         if not 0 <= index < count:
             raise Cudal2Error(f"GPU {index} is not there ({count} GPU{'s' if count != 1 else ''}: 0-{count - 1})")
