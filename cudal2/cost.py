@@ -24,7 +24,7 @@ LAUNCH_US = 2.0  # a launch and its tail, measured: cuBLAS 64^3 takes ~2-3 us ba
 OVERLAP_LOSS = 0.25  # share of the shorter of compute and memory time not hidden behind the other
 # Share of the DRAM bandwidth the copy between unaligned and padded rows reaches: measured
 # on the H200, the copies of A, W and C at 4095x4097x1001 bf16 nt (100 MB moved) took
-# 38.4 us, 2.6 TB/s (docs/h200-2026-11-30.md, fourth round).
+# 38.4 us, 2.6 TB/s (the h200-2026-11-30 report (in git history), fourth round).
 COPY_EFFICIENCY = 0.54
 L2_PER_DRAM = 2.5  # L2-to-SM bandwidth over DRAM bandwidth, roughly, on H100/H200
 # Warps per SM below which an SM cannot keep enough loads in flight to reach the memory
@@ -33,18 +33,18 @@ OCCUPANCY_WARPS = 4
 # Split-K is not free: the CTAs of a cluster must be co-resident, wait for each other and
 # reduce through distributed shared memory. Per extra CTA sharing a tile, the compute time
 # stretches by this share (split_k 2 and 4 lost 1-5 us on the small problems of the
-# 162-configuration grids in docs/h200-2026-11-30.md, third round, where the model without
+# 162-configuration grids in the h200-2026-11-30 report (in git history), third round, where the model without
 # it expected gains).
 SPLIT_LOSS = 0.35
 # A split-K reduction in a fixed order (`ordered_reduction` in a template's [cost]) makes each
 # slice of a tile wait for the one before it: a serial chain of fp32 partial-tile reads and
 # writes. Measured on the H200 at 1024x128x16384 (128x64 and 128x128 tiles, 8 and 16 slices,
-# docs/h200-2026-11-30.md, fourth round): ~0.9 us per extra slice per 32 KiB partial tile
+# the h200-2026-11-30 report (in git history), fourth round): ~0.9 us per extra slice per 32 KiB partial tile
 # over the same kernels reducing in arrival order.
 ORDERED_REDUCTION_BYTES_PER_US = 36e3
 # Stream-K (`stream_k_tiles` in a template's [cost]): those tiles' K iterations are spread
 # evenly over the SMs, but the runs that share a tile wait for each other's fp32 partial sums.
-# Measured on the H200 (docs/h200-2026-11-30.md, eighth round), the stream-K part took its
+# Measured on the H200 (the h200-2026-11-30 report (in git history), eighth round), the stream-K part took its
 # even share plus about a third of a tile's time: 0.31 at 4096^3 (128x256 tiles, 248 of them
 # stream-K), 0.33 at 8192^3 (200), 0.38 at 3072x768x3072 (128x192, all 96).
 STREAM_K_WAIT_WAVES = 1 / 3

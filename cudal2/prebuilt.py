@@ -51,7 +51,7 @@ REGIONS = {  # a representative problem of each region of a model's shapes
     "split-K": (1024, 128, 16384),
     "large": (8192, 8192, 8192),
     "unaligned": (4095, 4097, 1001),
-    # Where the H200 grid run of 2026-12-01 lost most (docs/h200-2026-12-01-sessions.md): K of
+    # Where the H200 grid run of 2026-12-01 lost most (the h200-2026-12-01-sessions report (in git history)): K of
     # 512 or less, and outputs of 256 or fewer rows or columns with K of 1024 or more.
     "short-K": (4096, 4096, 256),
     "skinny short-K": (12288, 64, 512),

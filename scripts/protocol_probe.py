@@ -1,6 +1,6 @@
 """GPU: what moves the protocol's two times, for the rows where they and the independent
 check (scripts/remeasure.py) disagree, or where the two methods disagree with each other
-(docs/h200-2026-12-01-protocol.md).
+(the h200-2026-12-01-protocol report (in git history)).
 
     python scripts/protocol_probe.py SHAPES.csv [RESULTS] [--rows 0,1,2] [--out FILE.json]
 
@@ -251,7 +251,7 @@ def torch_graphs(names, run, sets, torch_stream, calls, neighbour):
 
 def graph_study(cases, stream, rng, variant, compute, memory, makers):
     """Why our PDL kernels read 0.3-0.5 us over their CUPTI time in the protocol's graph on
-    calls under 5 us, and at it in the independent check's (docs/h200-2026-12-01-protocol-3.md):
+    calls under 5 us, and at it in the independent check's (the h200-2026-12-01-protocol-3 report (in git history)):
     the neighbour's kind and the graph's length, before CUPTI is ever loaded; the capture
     (CuPy's relaxed mode on this non-blocking stream, or torch's on a torch stream); then CUPTI."""
     neighbours = {"sin 512 KB (protocol)": measure.neighbour_kernel(stream),
