@@ -39,22 +39,24 @@ CONFIGS = ({}, {"block_m": "64", "block_n": "32", "block_k": "64", "warps_m": "2
 SPLIT_CONFIGS = ({"block_m": "16", "block_n": "64", "warps_m": "1", "warps_n": "2", "split_k": "4"}, {"split_k": "8"})
 
 
-@pytest.mark.parametrize("dtype", ["fp16", "bf16"])
-@pytest.mark.parametrize("layout", ["nn", "nt"])
-def test_sm80_template_is_correct_on_odd_shapes(compiler, dtype, layout):
+def template_failures(compiler, template: str, configs, shapes, dtype: str, layout: str, seed: int,
+                      declined=()) -> list[str]:
+    """Each configuration of `template` called on each of `shapes` (fresh normal inputs,
+    poisoned output) against the fp32 reference within the verifier's tolerance, with no
+    stray write and the inputs intact; each of `declined` refused with nothing launched.
+    Returns what failed, one line each."""
     import cupy
 
-    configs = CONFIGS + (SPLIT_CONFIGS if gpu_cc() >= 90 else ())
-    candidates = [template_candidate("sm80_mma", params, gpu_cc()) for params in configs]
+    candidates = [template_candidate(template, params, gpu_cc()) for params in configs]
     builds = compiler.compile_all([render(c, Problem(1, 1, 1, dtype, layout)) for c in candidates])
     assert all(b.status == "ok" for b in builds), [b.log[-2000:] for b in builds]
     stream = cupy.cuda.Stream(non_blocking=True)
-    num, rng = Numerics(dtype), random.Random(1)
+    num, rng = Numerics(dtype), random.Random(seed)
     failures = []
     with stream:
         for cand, build in zip(candidates, builds):
             kernel = Kernel(str(build.library))
-            for m, n, k in SHAPES:
+            for m, n, k in shapes:
                 problem = Problem(m, n, k, dtype, layout)
                 ops = Operands(problem, 0, num)
                 ops.fill("normal", rng)
@@ -63,8 +65,19 @@ def test_sm80_template_is_correct_on_odd_shapes(compiler, dtype, layout):
                 stream.synchronize()
                 ref = ops.reference()
                 err, tol, why = compare(ops.c, ref, num, trusted_error(ops, ref, cublas_gemm(problem, stream)))
-                if code != 0 or why or ops.stray_writes():
+                if code != 0 or why or ops.stray_writes() or not ops.inputs_intact():
                     failures.append(f"{cand} {problem}: code {code} {why}")
+            for m, n, k in declined:
+                if Operands(Problem(m, n, k, dtype, layout), 0, num).call(kernel, stream) == 0:
+                    failures.append(f"{cand} {m}x{n}x{k}: ran a shape it cannot")
+    return failures
+
+
+@pytest.mark.parametrize("dtype", ["fp16", "bf16"])
+@pytest.mark.parametrize("layout", ["nn", "nt"])
+def test_sm80_template_is_correct_on_odd_shapes(compiler, dtype, layout):
+    configs = CONFIGS + (SPLIT_CONFIGS if gpu_cc() >= 90 else ())
+    failures = template_failures(compiler, "sm80_mma", configs, SHAPES, dtype, layout, seed=1)
     assert not failures, "\n".join(failures)
 
 

@@ -4,18 +4,14 @@ passes the verifier. Run with `pytest -m gpu`."""
 
 from __future__ import annotations
 
-import random
-
 import pytest
 
-from cudal2.baselines import cublas_gemm
 from cudal2.pipeline import evaluate
 from cudal2.problem import Problem
-from cudal2.render import render, template_candidate
-from cudal2.verify import Kernel, Numerics, Operands, compare, trusted_error
+from cudal2.render import template_candidate
 
 from conftest import gpu_cc
-from test_gpu import context  # noqa: F401  (the fixture: a worker and a leaderboard per problem)
+from test_gpu import context, template_failures  # noqa: F401  (context: the fixture, a worker and a leaderboard per problem)
 
 pytestmark = pytest.mark.gpu
 
@@ -35,32 +31,8 @@ UNSUPPORTED = [(9, 9, 64), (16, 4096, 4096)]
 @pytest.mark.parametrize("dtype", ["fp16", "bf16"])
 @pytest.mark.parametrize("layout", ["nn", "nt"])
 def test_gemv_is_correct_on_decode_and_odd_shapes(compiler, dtype, layout):
-    import cupy
-
-    candidates = [template_candidate("gemv", params, gpu_cc()) for params in CONFIGS]
-    builds = compiler.compile_all([render(c, Problem(1, 1, 1, dtype, layout)) for c in candidates])
-    assert all(b.status == "ok" for b in builds), [b.log[-2000:] for b in builds]
-    stream = cupy.cuda.Stream(non_blocking=True)
-    num, rng = Numerics(dtype), random.Random(4)
-    failures = []
-    with stream:
-        for cand, build in zip(candidates, builds):
-            kernel = Kernel(str(build.library))
-            for m, n, k in SHAPES:
-                problem = Problem(m, n, k, dtype, layout)
-                ops = Operands(problem, 0, num)
-                ops.fill("normal", rng)
-                ops.poison(rng)
-                code = ops.call(kernel, stream)
-                stream.synchronize()
-                ref = ops.reference()
-                err, tol, why = compare(ops.c, ref, num, trusted_error(ops, ref, cublas_gemm(problem, stream)))
-                if code != 0 or why or ops.stray_writes() or not ops.inputs_intact():
-                    failures.append(f"{cand} {problem}: code {code} {why}")
-            for m, n, k in UNSUPPORTED:  # neither side a few vectors: declined, nothing launched
-                ops = Operands(Problem(m, n, k, dtype, layout), 0, num)
-                if ops.call(kernel, stream) == 0:
-                    failures.append(f"{cand} {m}x{n}x{k}: ran a shape it cannot")
+    # neither side a few vectors (UNSUPPORTED): declined, nothing launched
+    failures = template_failures(compiler, "gemv", CONFIGS, SHAPES, dtype, layout, seed=4, declined=UNSUPPORTED)
     assert not failures, "\n".join(failures)
 
 
