@@ -148,6 +148,7 @@ ptxas info    : Used 200 registers, used 1 barriers
     assert parse_ptxas(log) == {"registers": 200, "smem_bytes": 98304, "spill_bytes": 12, "stack_bytes": 16}
 
 
+@pytest.mark.slow  # four CUTLASS builds: minutes of 2 cores (`pytest -m slow`; the GPU tests build them too)
 def test_cutlass_sm90_template_compiles_with_allowed_imports(compiler):
     """Four CUTLASS 3.x kernels (about 60-170 s of one core each, side by side): the default;
     the parallel split-K, which adds a batched fp32 GEMM and a second kernel launched with
