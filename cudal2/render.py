@@ -299,6 +299,14 @@ class Space:
             env[name] = _evaluate(self.derived[name], env)
         return bool(_evaluate(rule, env))
 
+    def admits(self, problem: Problem) -> bool:
+        """False where the [cost] table's `requires` rules the problem out whatever the
+        parameters (an expression of m, n, k and layout alone); True otherwise."""
+        rule = self.cost.get("requires")
+        if rule is None or any(self.reads(rule)):
+            return True
+        return bool(_evaluate(rule, {"m": problem.m, "n": problem.n, "k": problem.k, "layout": problem.layout}))
+
     def cost_params(self) -> tuple[str, ...]:
         """The parameters the [cost] table reads (through derived values): two configurations
         alike in these have the same cost inputs on every problem."""
@@ -328,10 +336,13 @@ class Template:
     space: Space
 
     def supports(self, problem: Problem, cc: int) -> bool:
+        """Whether some configuration can run `problem`: its dtype, layout and target, and
+        its [cost] table's `requires` where that reads the problem alone (gemv's few rows)."""
         return (
             problem.dtype in self.space.dtypes
             and problem.layout in self.space.layouts
             and self.space.runs_on(cc)
+            and self.space.admits(problem)
         )
 
     def render(self, params: dict[str, Any], problem: Problem) -> str:
