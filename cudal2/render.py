@@ -52,10 +52,12 @@ def arch_cc(arch: str) -> int:
 
 
 def newest_cc(template: str) -> int:
-    """The newest target `template` runs on: what its parameters are checked against before
-    a GPU says which one it is (on a machine without one, or before it is started)."""
+    """The target `template`'s parameters are checked against before a GPU says which one it
+    is (on a machine without one, or before it is started): of those it runs on, the one with
+    the most shared memory, the newest of those, so that no configuration some GPU runs is
+    refused (the newest, sm_120, has less than half of sm_90's)."""
     space = get_template(template).space
-    return max(cc for cc in MAX_SMEM if space.runs_on(cc))
+    return max((cc for cc in MAX_SMEM if space.runs_on(cc)), key=lambda cc: (MAX_SMEM[cc], cc))
 
 
 @functools.cache
