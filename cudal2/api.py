@@ -26,7 +26,7 @@ from .environment import default_arch
 from .errors import Cudal2Error
 from .leaderboard import SHIPPED, Leaderboard, select, shipped, shown
 from .llm import ReplayClient, load_llm_settings
-from .optimize import Budget, Event, Outcome
+from .optimize import SCREEN, Budget, Event, Outcome
 from .pipeline import Built, Context, evaluate, measure, new_run_id
 from .problem import Problem
 from .protocol import BASELINES, PROTOCOL, best
@@ -151,7 +151,10 @@ def optimize(problems: list[Problem] | Problem, *, proposer: str = "search", ite
     board.read()  # an unreadable leaderboard fails before any measurement
     with contextlib.ExitStack() as stack:
         gpu_workers = workers or [stack.enter_context(Worker(d)) for d in (gpus or [settings.device])]
-        tuner = Tuner(settings, gpu_workers, search, Budget(iterations, batch, time_budget, patience),
+        # Under a time budget the search screens batch x SCREEN candidates a batch and confirms
+        # the best `batch` (successive halving: cudal2/optimize.py, docs/method.md).
+        screen = SCREEN if time_budget is not None and proposer == "search" else 1
+        tuner = Tuner(settings, gpu_workers, search, Budget(iterations, batch, time_budget, patience, screen),
                       mode=mode, remeasure=remeasure, leaderboard=board)
         outcomes = tuner.run(problems, on_event)
     return [TuneResult(p, tuner.environment, tuner.run_id, o, tuner.llm_tokens) for p, o in zip(problems, outcomes)]

@@ -5,8 +5,10 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import math
 import threading
 import time
+import weakref
 from collections import Counter
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -18,11 +20,12 @@ from typing import Any
 from .candidate import Candidate
 from .errors import Cudal2Error
 from .leaderboard import select, source_hash
+from .compile import Build, Compiler
 from .pipeline import Built, Context, build_all, invalid_row, measure_baselines, measure_rows, session_size
 from .problem import Problem
 from .propose import Proposer, from_proposer
-from .protocol import BASELINES, best_row
-from .render import render
+from .protocol import BASELINES, PROTOCOL, SCREEN_PROTOCOL, SCREENED, best_row
+from .render import get_template, render
 from .runtime import export_best
 
 
@@ -31,6 +34,10 @@ from .runtime import export_best
 # still waits this long for its batch's proposal, so that the batch's built kernels are
 # measured and the run does not end empty; the batch's compiles are stopped.
 PROPOSAL_WAIT_S = 60.0
+# The screening pass's halving rate (successive halving's eta) in a default run: a batch
+# proposes `batch` x SCREEN candidates, screens them all and confirms the best 1 / SCREEN
+# of them by the full protocol.
+SCREEN = 8
 
 
 @dataclass(frozen=True)
@@ -39,6 +46,10 @@ class Budget:
     batch: int = 8  # candidates per batch
     time_s: float | None = None  # wall-clock seconds for the whole run
     patience: int | None = 3  # batches without a better kernel before stopping
+    # Successive halving's eta: a batch proposes batch x screen candidates, screens them all
+    # (verified in full, timed by the graph method for a few rounds) and sends the best
+    # 1 / screen of them through the full protocol; 1: every candidate through the protocol.
+    screen: int = 1
 
 
 @dataclass
@@ -59,21 +70,28 @@ class Outcome:
     first_verified_s: float | None = None  # from the run's start to its first verified kernel
     baselines_s: float = 0.0  # the baselines' session (cuBLASLt's autotuning included)
     sessions: list[tuple[int, float]] = field(default_factory=list)  # (kernels on the GPU, seconds) each
+    screened: int = 0  # candidates through the screening pass (its verdicts included)
+    screen_s: float = 0.0  # the GPU's seconds in screening sessions (of gpu_s)
 
     @property
     def statuses(self) -> dict[str, int]:
         return dict(Counter(row["status"] for row in self.rows if row["kernel"] not in BASELINES))
 
+
     @property
     def contributions(self) -> dict[str, dict[str, Any]]:
-        """Per proposer: candidates measured (or rejected), how many verified, its best speedup."""
+        """Per proposer: candidates measured, screened or rejected (each once), how many
+        verified by the full protocol, its best speedup."""
         found: dict[str, dict[str, Any]] = {}
+        counted: set[tuple[str, str | None]] = set()
         for row in self.rows:
             if row["kernel"] in BASELINES:
                 continue
             mine = found.setdefault(row.get("proposer") or "?", {"candidates": 0, "ok": 0, "best_speedup": None})
-            mine["candidates"] += 1
-            if row["status"] == "ok":
+            identity = (row["kernel"], row.get("source_hash"))
+            mine["candidates"] += identity not in counted or row.get("source_hash") is None
+            counted.add(identity)
+            if row["status"] == "ok" and row.get("protocol") != SCREEN_PROTOCOL:
                 mine["ok"] += 1
                 speedup = row.get("speedup_offline")
                 if speedup is not None and speedup == speedup and (mine["best_speedup"] or 0) < speedup:
@@ -85,9 +103,11 @@ Event = Callable[[str, dict[str, Any]], None]
 
 
 def problem_history(ctx: Context) -> list[dict[str, Any]]:
-    """Every recorded row of this problem on this GPU, oldest first."""
+    """Every recorded row of this problem on this GPU, oldest first: the protocol's, and the
+    screening pass's (so a re-run screens nothing twice; no reader ranks those)."""
     p, gpu = ctx.problem, (ctx.worker.environment or {}).get("gpu")
-    df = select(ctx.leaderboard.read(), m=p.m, n=p.n, k=p.k, dtype=p.dtype, layout=p.layout, gpu=gpu)
+    df = select(ctx.leaderboard.read(protocol=None), m=p.m, n=p.n, k=p.k, dtype=p.dtype, layout=p.layout, gpu=gpu)
+    df = df[df["protocol"].isin((PROTOCOL, SCREEN_PROTOCOL))]
     return df.sort_values("time").to_dict("records") if len(df) else []
 
 
@@ -104,6 +124,8 @@ class InFlight:
         self._pending: dict[str, dict[str, Any]] = {}  # source hash -> its "pending" row
         self._repeats: list[tuple[Candidate, str]] = []
         self._compiled: list[Built] = []
+        self._behind: list[Built] = []  # built behind the GPU (a time budget's), not yet taken into a batch
+        self._compiling_behind = 0  # this run's compiles behind the GPU not finished yet
         self.duplicates = 0  # candidates skipped: a claimed source, or a binary already measured
         self.compile_s = 0.0  # nvcc seconds of the compiles run (not cached)
 
@@ -129,8 +151,32 @@ class InFlight:
             self._compiled.append(item)
 
     def compiled(self) -> list[Built]:
+        """The compiling batch's builds so far, and those built behind the GPU not yet taken."""
         with self._lock:
-            return list(self._compiled)
+            return self._compiled + self._behind
+
+    def behind(self) -> None:
+        """A compile behind the GPU started."""
+        with self._lock:
+            self._compiling_behind += 1
+
+    def built_behind(self, item: Built | None) -> None:
+        """A compile behind the GPU ended: its build (None: stopped)."""
+        with self._lock:
+            self._compiling_behind -= 1
+            if item is not None:
+                self._behind.append(item)
+                self.compile_s += 0.0 if item.build.cached else item.build.seconds
+
+    def take_behind(self) -> list[Built]:
+        """The builds made behind the GPU since the last take, for the next batch."""
+        with self._lock:
+            taken, self._behind = self._behind, []
+            return taken
+
+    def compiling_behind(self) -> int:
+        with self._lock:
+            return self._compiling_behind
 
     def add_compile_s(self, seconds: float) -> None:
         with self._lock:
@@ -187,6 +233,9 @@ class ShapeRun:
         # Seconds a kernel takes on the GPU, from this run's latest session (at first, the
         # baselines' session): a time budget is spent in sessions that fit it.
         self.per_kernel_s = 0.0
+        self.per_screen_s = 0.0  # the same, of a screening session (none yet: the first screens all)
+        self.number = next(_RUNS)  # its compiles behind the GPU go before an earlier run's
+        self.ended = threading.Event()  # the run is over: its proposal thread starts no compile
 
     # ------------------------------------------------------------------ the run
 
@@ -198,6 +247,7 @@ class ShapeRun:
         try:
             self._batches(pool)
         finally:
+            self.ended.set()
             pool.shutdown(wait=False, cancel_futures=True)
             if self.held:  # measured ahead of a batch that never came (stopped, interrupted)
                 self._record(self.held)
@@ -230,7 +280,7 @@ class ShapeRun:
         for iteration in range(budget.iterations):
             try:
                 built, invalid = self._batch_result(pending)
-                built = [item for item in built if item.source not in self.early]
+                built = [item for item in built + self.inflight.take_behind() if item.source not in self.early]
             except FutureTimeout:
                 self._stop_in_compile(pending)
                 return
@@ -241,10 +291,11 @@ class ShapeRun:
             self._see(invalid)
             last = iteration + 1 >= budget.iterations or self._over_time()
             if not last:  # the next batch compiles while this one is on the GPU
-                pending = pool.submit(self._prepare, self._proposer_view(), self.ctx.compiler.generation)
+                pending = self._next_batch(pool)
             self.emit("batch", {"iteration": iteration + 1, "candidates": len(built), "invalid": len(invalid)})
-            if not built and not invalid:
-                out.stopped = "the proposer has nothing new"
+            if not built and not invalid and not (built := self._await_behind()):
+                out.stopped = ("time budget spent (while the next batch compiled)" if self._over_time()
+                               else "the proposer has nothing new")
                 return
             stale = 0 if self._measure_batch(built, list(invalid)) else stale + 1
             if last:
@@ -255,20 +306,43 @@ class ShapeRun:
                 pending.cancel()
                 return
 
+    def _next_batch(self, pool: ThreadPoolExecutor) -> Future:
+        """The next batch, proposed and built on the pool's thread; none while a batch's worth
+        of candidates compiles behind the GPU (a time budget's): their builds are the next."""
+        if self.inflight.compiling_behind() >= self.budget.batch * self.budget.screen:
+            nothing: Future = Future()
+            nothing.set_result(([], []))
+            return nothing
+        return pool.submit(self._prepare, self._proposer_view(), self.ctx.compiler.generation)
+
     def _stop_in_compile(self, pending: Future) -> None:
-        """The time budget ended while the next batch compiled: its compiles stop; a run
-        with no verified kernel yet still measures what of the batch is built (it never
-        ends empty)."""
+        """The time budget ended while the next batch was proposed (its built candidates
+        looked up; its others compile behind the GPU, where a budget run is stopped by
+        optimize's end, to serve the shapes after it). A run with no verified kernel yet
+        still waits up to PROPOSAL_WAIT_S for the proposal and for a build, and measures what
+        is built by then (it never ends empty while a build comes)."""
         self.out.stopped = "time budget spent (while the next batch compiled)"
-        self.ctx.compiler.cancel()  # its nvcc processes stop; nothing half-done is cached
         if self.verified:
             return
         with contextlib.suppress(Exception):  # its compiles stopped: Cancelled
             pending.result(timeout=PROPOSAL_WAIT_S)
-        ready = self._built_unmeasured()
+        ready = self._built_unmeasured() or self._await_behind()
         if ready:
             self.out.stopped += f"; the {len(ready)} kernel(s) built by then measured"
+            self.inflight.take_behind()
             self._measure_batch(ready, [])
+
+    def _await_behind(self) -> list[Built]:
+        """With nothing else for the GPU: the builds made behind it, as soon as one is there
+        (while this run compiles any), until the budget ends; a run with no verified kernel
+        waits PROPOSAL_WAIT_S past it."""
+        while self.inflight.compiling_behind():
+            if (built := [item for item in self.inflight.take_behind() if item.source not in self.early]):
+                return built
+            if self._over_time() and (self.verified or self._overrun() > PROPOSAL_WAIT_S):
+                return []
+            time.sleep(0.1)
+        return [item for item in self.inflight.take_behind() if item.source not in self.early]
 
     # ------------------------------------------------------------------ the compile thread
 
@@ -277,7 +351,8 @@ class ShapeRun:
         previous one): its builds, and the rows of proposals that never became a kernel.
         Shares nothing with the loop but `inflight`."""
         ctx, name = self.ctx, self.proposer.name
-        proposals = [from_proposer(p, name) for p in self.proposer.propose(ctx.problem, snapshot, self.budget.batch)]
+        wanted = self.budget.batch * self.budget.screen
+        proposals = [from_proposer(p, name) for p in self.proposer.propose(ctx.problem, snapshot, wanted)]
         fresh, invalid = [], []
         for proposal in proposals:
             if not isinstance(proposal, Candidate):
@@ -291,9 +366,30 @@ class ShapeRun:
             if self.inflight.claim(proposal, digest):  # else measured (or being measured): the proposer is told
                 fresh.append(proposal)
         self.inflight.compiling()
+        if self.budget.time_s is not None:  # built first: the others compile behind the GPU
+            fresh = self._built_first(fresh, generation)
         built = build_all(ctx, fresh, generation, on_built=self.inflight.built)
         self.inflight.add_compile_s(sum(b.build.seconds for b in built if not b.build.cached))
         return built, invalid
+
+    def _built_first(self, proposals: list[Candidate], generation: int) -> list[Candidate]:
+        """Under a time budget: the proposals already built (in the compile cache: the
+        prebuilt set, earlier runs), which this batch measures. The others compile behind the
+        GPU (Behind: the quickest template first), and join the first batch after
+        each is built: the GPU never waits on nvcc while a built candidate is unmeasured."""
+        ready, later = [], []
+        for proposal in proposals:
+            source = render(proposal, self.ctx.problem)
+            (ready if self.ctx.compiler.lookup(source) is not None else later).append((proposal, source))
+        for proposal, source in later:
+            if self.ended.is_set():  # a proposal the run did not wait for
+                break
+            self.inflight.behind()
+            behind(self.ctx.compiler).submit(
+                self.number, _compile_s(proposal), source, generation,
+                lambda build, proposal=proposal, source=source: self.inflight.built_behind(
+                    None if build is None else Built(proposal, source, build)))
+        return [proposal for proposal, _ in ready]
 
     def _proposer_view(self) -> list[dict[str, Any]]:
         """What the next batch's proposer sees: the visible rows, the candidates pending,
@@ -320,17 +416,16 @@ class ShapeRun:
         build that finishes meanwhile is measured at once: a run from an empty cache has its
         first verified kernel when the quickest compile ends, not the slowest."""
         while not self.verified:
-            ready = self._built_unmeasured()
-            if ready:
-                self.early.add(ready[0].source)
-                self._measure_batch(ready[:1], [], ahead=True)
-                continue
             left = self._time_left()
-            try:
+            try:  # the batch, if it comes within the half second (its builds cached, say)
                 return pending.result(timeout=0.5 if left is None else min(0.5, left))
             except FutureTimeout:
                 if self._over_time():
                     raise
+            ready = self._built_unmeasured()
+            if ready:
+                self.early.add(ready[0].source)
+                self._measure_batch(ready[:1], [], ahead=True)
         return pending.result(timeout=self._time_left())
 
     # ------------------------------------------------------------------ the GPU
@@ -343,6 +438,8 @@ class ShapeRun:
         improved = False
         fresh, binaries = self._distinct_binaries(built)
         try:
+            if self.budget.screen > 1 and len(fresh) > 1:
+                fresh = self._screen(fresh, binaries, rows)
             for session in self._sessions(fresh):
                 if self._over_time() and self.verified:
                     break
@@ -363,6 +460,26 @@ class ShapeRun:
         improved, self.held_improved = improved or self.held_improved, False
         return improved
 
+    def _screen(self, items: list[Built], binaries: dict[str, str | None], rows: list[dict[str, Any]]) -> list[Built]:
+        """Successive halving's first rung (Jamieson and Talwalkar, 2016): every kernel of
+        the batch screened (verified in full, then timed by the graph method alone for a
+        few rounds, Worker._screen), in sessions that fit the time left; its rows join
+        `rows` (status SCREENED where it passed: never ranked). Returns the second rung: the
+        best 1 / budget.screen of the batch by the screened ratio, best first, for the
+        full protocol."""
+        passed = []
+        for session in self._sessions(items, screen=True):
+            if self._over_time() and (self.verified or passed):
+                break
+            self.seen_binaries.update(b for item in session if (b := binaries[item.source]) is not None)
+            for item, row in zip(session, self._measure_session(session, screen=True), strict=True):
+                rows.append(row)
+                self._take(row)
+                if row["status"] == SCREENED and (ratio := row.get("speedup_graph")) is not None and ratio == ratio:
+                    passed.append((ratio, item))
+        passed.sort(key=lambda pair: -pair[0])
+        return [item for _, item in passed[:math.ceil(len(items) / self.budget.screen)]]
+
     def _distinct_binaries(self, built: list[Built]) -> tuple[list[Built], dict[str, str | None]]:
         """The builds whose binary is not measured already (identical binaries are
         measured once), and each one's binary hash."""
@@ -376,23 +493,30 @@ class ShapeRun:
             binaries[item.source] = binary
         return fresh, binaries
 
-    def _sessions(self, items: list[Built]):
-        """The batch's kernels, session by session (next_session)."""
+    def _sessions(self, items: list[Built], screen: bool = False):
+        """The batch's kernels, session by session (next_session; `screen`: screening
+        sessions, at the seconds a kernel took in the latest of those)."""
         items = list(items)
         while items:
-            size = next_session(len(items), session_size(self.ctx), self._time_left(), self.per_kernel_s)
+            per_kernel_s = self.per_screen_s if screen else self.per_kernel_s
+            size = next_session(len(items), session_size(self.ctx), self._time_left(), per_kernel_s)
             yield items[:size]
             del items[:size]
 
-    def _measure_session(self, session: list[Built]) -> list[dict[str, Any]]:
+    def _measure_session(self, session: list[Built], screen: bool = False) -> list[dict[str, Any]]:
         t0 = time.monotonic()
-        measured = measure_rows(self.ctx, session)
+        measured = measure_rows(self.ctx, session, screen=screen)
         on_gpu = sum(item.build.status == "ok" for item in session)
         if on_gpu:
             spent = time.monotonic() - t0
             self.out.gpu_s += spent
             self.out.sessions.append((on_gpu, round(spent, 3)))
-            self.per_kernel_s = spent / on_gpu
+            if screen:
+                self.out.screen_s += spent
+                self.per_screen_s = spent / on_gpu
+            else:
+                self.per_kernel_s = spent / on_gpu
+        self.out.screened += on_gpu if screen else 0
         return measured
 
     def _take(self, row: dict[str, Any]) -> bool:
@@ -428,6 +552,10 @@ class ShapeRun:
     def _over_time(self) -> bool:
         return self.budget.time_s is not None and time.monotonic() - self.start >= self.budget.time_s
 
+    def _overrun(self) -> float:
+        """Seconds the run is past its time budget."""
+        return time.monotonic() - self.start - (self.budget.time_s or 0.0)
+
     def _time_left(self) -> float | None:
         if self.budget.time_s is None:
             return None
@@ -436,8 +564,11 @@ class ShapeRun:
 
 def optimize(ctx: Context, proposer: Proposer, budget: Budget, *, remeasure: bool = False,
              on_event: Event | None = None) -> Outcome:
-    """Tunes ctx.problem: a ShapeRun, run."""
-    return ShapeRun(ctx, proposer, budget, remeasure=remeasure, on_event=on_event).run()
+    """Tunes ctx.problem: a ShapeRun, run; then the compiles it left behind the GPU stop."""
+    try:
+        return ShapeRun(ctx, proposer, budget, remeasure=remeasure, on_event=on_event).run()
+    finally:
+        stop_behind(ctx.compiler)
 
 
 def optimize_shapes(problems: list[Problem], context: Callable[[Problem, int], Context],
@@ -448,8 +579,9 @@ def optimize_shapes(problems: list[Problem], context: Callable[[Problem, int], C
     warm-starts from the shapes tuned before it). With several workers, one thread drives
     each, taking the next untuned shape as it finishes one. Each batch's rows are in the
     leaderboard as it ends, so a killed run keeps them and a re-run measures nothing twice;
-    `on_event` also hears ("shape", {index, of, problem, worker}). Outcomes come in the
-    problems' order."""
+    `on_event` also hears ("shape", {index, of, problem, worker}). Compiles a shape left
+    behind the GPU (a time budget's) go on for the shapes after it, and stop when the set
+    ends. Outcomes come in the problems' order."""
     emit = on_event or (lambda kind, info: None)
     outcomes: list[Outcome | None] = [None] * len(problems)
     pending = iter(list(enumerate(problems, start=1)))
@@ -465,9 +597,11 @@ def optimize_shapes(problems: list[Problem], context: Callable[[Problem, int], C
             index, problem = item
             emit("shape", {"index": index, "of": len(problems), "problem": problem, "worker": worker})
             ctx = context(problem, worker)
+            compilers.add(ctx.compiler)
             began = time.monotonic()
             try:
-                outcomes[index - 1] = optimize(ctx, proposer(ctx), budget, remeasure=remeasure, on_event=on_event)
+                outcomes[index - 1] = ShapeRun(ctx, proposer(ctx), budget, remeasure=remeasure,
+                                               on_event=on_event).run()
             except Exception as exc:  # this shape's run failed (its measured rows are kept): the set goes on
                 if len(problems) == 1:
                     failures.append(exc)
@@ -480,15 +614,20 @@ def optimize_shapes(problems: list[Problem], context: Callable[[Problem, int], C
                 failures.append(exc)
                 return
 
-    if workers == 1:
-        drain(0)
-    else:
-        threads = [threading.Thread(target=drain, args=(w,), name=f"cudal2-gpu-{w}", daemon=True)
-                   for w in range(workers)]
-        for thread in threads:
-            thread.start()
-        for thread in threads:
-            thread.join()
+    compilers: set[Compiler] = set()
+    try:
+        if workers == 1:
+            drain(0)
+        else:
+            threads = [threading.Thread(target=drain, args=(w,), name=f"cudal2-gpu-{w}", daemon=True)
+                       for w in range(workers)]
+            for thread in threads:
+                thread.start()
+            for thread in threads:
+                thread.join()
+    finally:
+        for compiler in compilers:
+            stop_behind(compiler)
     if failures:
         raise failures[0]
     return outcomes
@@ -502,6 +641,104 @@ def next_session(kernels: int, most: int, time_left: float | None, per_kernel_s:
     if time_left is not None and per_kernel_s > 0:
         size = max(1, min(size, int(time_left / per_kernel_s)))
     return size
+
+
+# Compiles behind the GPU (a time budget's built-first rule), one pool per compiler: a shape
+# set's shapes share it, so what one shape proposed and did not get built in its time is
+# built for the shapes after it (one build serves every shape of its dtype and layout).
+SLOW_COMPILE_S = 10.0  # a template whose build takes longer (CUTLASS: a minute) is a slow one
+SLOW_SHARE = 0.75  # of the compile slots, the most that slow builds hold at once
+
+
+class Behind:
+    """The compiles behind the GPU of one compiler. The latest run's first (a shape's
+    proposals go before those an earlier shape left), and in a run the quickest template
+    first; slow builds hold at most SLOW_SHARE of the compiler's slots, so that a quick build
+    (seconds) never queues a minute behind them. stop() ends them all."""
+
+    def __init__(self, compiler: Compiler):
+        self.compiler = compiler
+        self._queue: list[tuple[tuple, str, int, Callable[[Build | None], None]]] = []
+        self._cond = threading.Condition()
+        self._slow, self._slow_most = 0, max(1, int(compiler.jobs * SLOW_SHARE))
+        self._stopped = False
+        self._order = 0
+        for _ in range(compiler.jobs):
+            threading.Thread(target=self._work, name="cudal2-behind", daemon=True).start()
+
+    def submit(self, run: int, compile_s: float, source: str, generation: int,
+               done: Callable[[Build | None], None]) -> None:
+        with self._cond:
+            if self._stopped:
+                done(None)
+                return
+            self._order += 1
+            self._queue.append(((-run, compile_s, self._order), source, generation, done))
+            self._queue.sort(key=lambda job: job[0])
+            self._cond.notify()
+
+    def _next(self) -> tuple[tuple, str, int, Callable] | None:
+        with self._cond:
+            while not self._stopped:
+                for i, job in enumerate(self._queue):
+                    if job[0][1] <= SLOW_COMPILE_S or self._slow < self._slow_most:
+                        self._slow += job[0][1] > SLOW_COMPILE_S
+                        return self._queue.pop(i)
+                self._cond.wait()
+            return None
+
+    def _work(self) -> None:
+        while (job := self._next()) is not None:
+            (_, compile_s, _), source, generation, done = job
+            build = None
+            try:
+                build = self.compiler.compile(source, generation)
+            except Exception:  # stopped (Cancelled): nothing was cached
+                pass
+            finally:
+                with self._cond:
+                    self._slow -= compile_s > SLOW_COMPILE_S
+                    self._cond.notify_all()
+                done(build)
+
+    def stop(self) -> None:
+        with self._cond:
+            self._stopped = True
+            queued, self._queue = self._queue, []
+            self._cond.notify_all()
+        for *_, done in queued:
+            done(None)
+        self.compiler.cancel()
+
+
+_BEHIND: weakref.WeakKeyDictionary[Compiler, Behind] = weakref.WeakKeyDictionary()
+_BEHIND_LOCK = threading.Lock()
+_RUNS = iter(range(1, 1 << 62))  # each ShapeRun's number: the latest's compiles behind go first
+
+
+def behind(compiler: Compiler) -> Behind:
+    """The compiler's pool of compiles behind the GPU (started on first use)."""
+    with _BEHIND_LOCK:
+        if compiler not in _BEHIND:
+            _BEHIND[compiler] = Behind(compiler)
+        return _BEHIND[compiler]
+
+
+def stop_behind(compiler: Compiler) -> None:
+    """Stops the compiles behind the GPU, queued and running (the run is over): nothing
+    half-done is cached."""
+    with _BEHIND_LOCK:
+        pool = _BEHIND.pop(compiler, None)
+    if pool is not None:
+        pool.stop()
+
+
+def _compile_s(candidate: Candidate) -> float:
+    """What a candidate's build costs, as its template's space says (a free-form source: a
+    minute)."""
+    if candidate.template is None:
+        return 60.0
+    return get_template(candidate.template).space.compile_s
 
 
 def _binary_hash(item: Built) -> str | None:

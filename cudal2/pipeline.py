@@ -21,7 +21,7 @@ from .environment import toolchain
 from .errors import Cudal2Error
 from .leaderboard import Leaderboard
 from .problem import Problem
-from .protocol import BASELINE_COLUMN as COLUMN, BASELINES, OFFLINE_METHODS, PROTOCOL
+from .protocol import BASELINE_COLUMN as COLUMN, BASELINES, OFFLINE_METHODS, PROTOCOL, SCREEN_PROTOCOL, SCREENED
 from .render import render
 from .roofline import floor_us, roof
 from .verify import forbidden_imports
@@ -220,10 +220,11 @@ def session_size(ctx: Context) -> int:
     return max(1, int((SESSION_MEMORY * memory - inputs) // per_contestant) - len(BASELINES))
 
 
-def measure_rows(ctx: Context, items: list[Built]) -> list[dict[str, Any]]:
+def measure_rows(ctx: Context, items: list[Built], screen: bool = False) -> list[dict[str, Any]]:
     """Verifies and benches compiled candidates on the GPU, each verified alone and those
     that pass timed together in one session beside the baselines (Worker.measure): their
-    leaderboard rows, in order (not yet appended)."""
+    leaderboard rows, in order (not yet appended). With `screen`, the session is a screening
+    one (Worker._screen) and the rows are screen_row's."""
     rows = [_candidate_row(ctx, item.candidate, item.source, item.build) for item in items]
     on_gpu = []
     for row, item in zip(rows, items):
@@ -235,13 +236,32 @@ def measure_rows(ctx: Context, items: list[Built]) -> list[dict[str, Any]]:
             on_gpu.append((row, item))
     if on_gpu:
         results = ctx.worker.measure(ctx.job("kernels"), [str(item.build.library) for _, item in on_gpu],
-                                     ctx.settings.timeout)
+                                     ctx.settings.timeout, **({"screen": True} if screen else {}))
         for (row, _), result in zip(on_gpu, results, strict=True):
             row.update(status=result["status"], error=result.get("error") or None,
                        max_error=result.get("max_error"), tolerance=result.get("tolerance"),
                        cublaslt_algo=algo_json(result.get("cublaslt")), temperature_c=result.get("temperature_c"),
                        **timing_columns(result.get("timings", {}), "kernel", ctx.problem.flops, ctx.floor()))
-    return rows
+    return [screen_row(row) for row in rows] if screen else rows
+
+
+# What a screening pass leaves out of its rows: the claim (the lower of the two methods'
+# ratios) and what derives from it; the graph method's columns stay.
+CLAIM_COLUMNS = ("offline_us", "offline_p20_us", "offline_p80_us", "offline_samples", "speedup_offline",
+                 "baseline_offline_us", "baseline", "cublas_offline_us", "speedup_vs_cublas", "speedup_vs_cublaslt",
+                 "speedup_vs_torch", "tflops", "floor_us", "floor_fraction")
+
+
+def screen_row(row: dict[str, Any]) -> dict[str, Any]:
+    """A row of the screening pass: its protocol SCREEN_PROTOCOL, its status SCREENED where
+    the kernel passed (verified, and its screening session's checks), never "ok"; it claims
+    no speedup (CLAIM_COLUMNS dropped), so no reader can rank it. Its graph method's ratio
+    (`speedup_graph`) ranks it among the batch's screened kernels only."""
+    screened = {key: value for key, value in row.items() if key not in CLAIM_COLUMNS}
+    screened["protocol"] = SCREEN_PROTOCOL
+    if screened.get("status") == "ok":
+        screened["status"] = SCREENED
+    return screened
 
 
 def measure(ctx: Context, built: list[Built], *, baselines: bool = False) -> Iterator[dict[str, Any]]:

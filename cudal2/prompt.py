@@ -18,7 +18,7 @@ from typing import Any
 import jinja2
 
 from .environment import dram_bandwidth, tensor_peak
-from .protocol import BASELINES
+from .protocol import BASELINES, SCREENED
 from .problem import LAYOUT_HELP, Problem
 from .propose import nearest_winners
 from .render import Template, bundled_dir, load_templates, max_smem, recorded_params
@@ -59,10 +59,11 @@ def round_facts(problem: Problem, history: list[dict[str, Any]], n: int, *, cc: 
     nearest = [] if len(ranked_rows) >= WARM_START else [
         {**_measured(row), "problem": f"{row['m']}x{row['n']}x{row['k']} {row['dtype']} {row['layout']}"}
         for row in nearest_winners(problem, prior)[:WARM_START]]
-    # "pending": proposed and compiling, not measured yet (the optimize loop's batch ahead)
+    # "pending": proposed and compiling, not measured yet (the optimize loop's batch ahead);
+    # SCREENED: passed the screening pass, a rank among its batch, no measurement to show
     failures = [
         row for row in history
-        if row.get("status") not in ("ok", "pending", None) and row.get("kernel") not in BASELINES
+        if row.get("status") not in ("ok", "pending", SCREENED, None) and row.get("kernel") not in BASELINES
     ][-6:]
     return {
         "problem": problem, "layout_help": LAYOUT_HELP[problem.layout], "cc": cc, "n": n,

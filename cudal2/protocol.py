@@ -23,6 +23,12 @@ PROTOCOL = "cupti-graph-3"
 # measured again); parts written before the protocol was recorded were timed back to back.
 EARLIER_PROTOCOLS = ("fenced", "back-to-back")
 PROTOCOLS = (PROTOCOL, *EARLIER_PROTOCOLS)
+# The optimize loop's first pass (cudal2/optimize.py, successive halving): candidates
+# verified in full, then timed by the graph method alone for a few rounds. Its rows say
+# which candidates the full protocol confirms; they are never ranked, exported, shown to a
+# model or used as priors: their status is SCREENED, never "ok", and their protocol this one.
+SCREEN_PROTOCOL = "screen-graph-1"
+SCREENED = "screened"
 # A kernel's claim repeats within about 2% between runs of the protocol (3% for calls under
 # 5 us; the independent check agrees within the same): a speedup within TIE of 1.0 is a tie
 # with the library call, neither a win nor a loss.
@@ -35,7 +41,7 @@ OFFLINE_METHODS = ("kernel", "graph")
 BASELINES = ("cuBLAS", "cuBLASLt", "torch.matmul")
 BASELINE_COLUMN = {"cuBLAS": "cublas", "cuBLASLt": "cublaslt", "torch.matmul": "torch"}
 
-STATUSES = ("ok", "unsupported", "compile_error", "wrong", "cheat", "crash", "timeout", "invalid")
+STATUSES = ("ok", "unsupported", "compile_error", "wrong", "cheat", "crash", "timeout", "invalid", SCREENED)
 
 
 @dataclass
@@ -104,7 +110,7 @@ class Row:
     # claimed time reaches (floor / offline_us; 1.0 is the hardware's limit)
     floor_us: float | None = None
     floor_fraction: float | None = None
-    # how times were taken: PROTOCOL, or one of EARLIER_PROTOCOLS
+    # how times were taken: PROTOCOL, one of EARLIER_PROTOCOLS, or SCREEN_PROTOCOL (a screening pass)
     protocol: str | None = None
     # the protocol's two methods: CUPTI device time per call, and in a CUDA graph between
     # neighbour kernels

@@ -115,6 +115,7 @@ def optimize_summary(problem: Problem, env: dict[str, Any], outcome, run_id: str
         "wall_s": round(outcome.wall_s, 2), "gpu_s": round(outcome.gpu_s, 2), "compile_s": round(outcome.compile_s, 2),
         "first_verified_s": None if outcome.first_verified_s is None else round(outcome.first_verified_s, 2),
         "baselines_s": round(outcome.baselines_s, 2), "sessions": [list(s) for s in outcome.sessions],
+        "screened": outcome.screened, "screen_s": round(outcome.screen_s, 2),
         "run_id": run_id,
     }
 

@@ -33,6 +33,10 @@ MIN_ROUNDS = 5  # rounds of each process's methods in a job, at least
 INTERLEAVE_US = 20.0
 # Calls this long are timed after SOAK_S of untimed replays (cudal2/bench.py: the steady state).
 SOAK_US, SOAK_S = 100.0, 1.5
+# Rounds of a screening session (job settings' `screen`): the graph method alone, in the
+# graph process, each round one replay of every contestant's graph (its calls rotating
+# through the input sets, every output checked at the finish); no soak, no CUPTI process.
+SCREEN_ROUNDS = 3
 
 
 class Worker:
@@ -81,7 +85,9 @@ class Worker:
         untimed replays for calls (cuBLAS's) of SOAK_US or more. For
         calls of INTERLEAVE_US or more, the two processes' rounds alternate (twice the budget
         in all), so that clock and thermal drift fall on both methods alike; then each
-        returns its methods' timings."""
+        returns its methods' timings. A screening session (job settings' `screen`): _screen."""
+        if job["settings"].get("screen"):
+            return self._screen(job, timeout)
         first = self._graph.request(job, timeout)
         if first.get("status") != "ok":
             return first
@@ -116,7 +122,23 @@ class Worker:
             left.update(answer.get("left_errors", {}))
         return {**first, "timings": timings, "rejected": rejected, "left_errors": left, "temperature_c": temperature}
 
-    def measure(self, job: dict[str, Any], libraries: list[str], timeout: float) -> list[dict[str, Any]]:
+    def _screen(self, job: dict[str, Any], timeout: float) -> dict[str, Any]:
+        """A screening session: the graph process alone opens it, times SCREEN_ROUNDS rounds
+        of the graph method and finishes it (its checks, the physical limit): what a kernel's
+        rank among many needs, at a fraction of the protocol's time."""
+        first = self._graph.request(job, timeout)
+        if first.get("status") != "ok":
+            return first
+        for _ in range(SCREEN_ROUNDS):
+            if (answer := self._graph.request({"op": "round"}, timeout)).get("status") != "ok":
+                return {**first, **answer, "timings": {}}
+        if (answer := self._graph.request({"op": "finish"}, timeout)).get("status") != "ok":
+            return {**first, **answer, "timings": {}}
+        return {**first, "timings": answer["timings"], "rejected": answer.get("rejected", {}),
+                "left_errors": answer.get("left_errors", {})}
+
+    def measure(self, job: dict[str, Any], libraries: list[str], timeout: float,
+                screen: bool = False) -> list[dict[str, Any]]:
         """Verifies each kernel library alone (a fault costs that kernel: after a crash, a hang,
         a verdict other than ok or unsupported, or a CUDA error its calls left pending, the
         next kernel is verified in a fresh process), then times the verified ones together, in one
@@ -126,7 +148,10 @@ class Worker:
         fails (a check, a crash, a hang) convicts none: the contestant whose check failed may
         be another's victim (a kernel that writes into cuBLAS's output, say), so each kernel
         left is timed alone, and a session of one answers for its kernel. A kernel below the
-        physical limit is rejected at the finish, by its own times."""
+        physical limit is rejected at the finish, by its own times. With `screen`, every
+        kernel is verified alike and the session is a screening one (_screen)."""
+        if screen:
+            job = {**job, "settings": {**job["settings"], "screen": True}}
         results = []
         for library in libraries:
             results.append(self._graph.request({**job, "op": "kernel", "library": library}, timeout))

@@ -593,3 +593,35 @@ def json_entries(path):
     import json
 
     return json.loads(path.read_text())["entries"]
+
+
+def test_a_screening_session_verifies_each_kernel_then_times_the_graph_method_alone_for_a_few_rounds():
+    """The screening pass (cudal2/optimize.py): every kernel verified as in the protocol,
+    then one session in the graph process only (no CUPTI process), SCREEN_ROUNDS rounds and
+    the finish's checks; its rows carry the graph method's timings alone."""
+    from cudal2.worker import SCREEN_ROUNDS
+
+    ok = {"status": "ok", "error": "", "max_error": 1e-4, "tolerance": 0.01}
+    verdicts = {"a.so": ok, "b.so": {"status": "wrong", "error": "max error"}, "c.so": ok}
+    never = lambda j: pytest.fail(f"the CUPTI process was asked for {j['op']} in a screening session")
+    session = (session_answers({"status": "ok", "typical_us": 1.0}, {"graph": timed("kernel:0", "kernel:2")}), never)
+    worker, log, opened = measuring_worker(verdicts, [session])
+    results = worker.measure(job(), ["a.so", "b.so", "c.so"], 10, screen=True)
+    assert [r["status"] for r in results] == ["ok", "wrong", "ok"]
+    assert [j["library"] for _, op, j in log if op == "kernel"] == ["a.so", "b.so", "c.so"]  # every one verified
+    assert opened == [["a.so", "c.so"]] and {name for name, *_ in log} == {"graph"}
+    assert [op for _, op, _ in log if op in ("round", "soak", "finish")] == ["round"] * SCREEN_ROUNDS + ["finish"]
+    assert set(results[0]["timings"]) == {"graph"} and results[2]["timings"]["graph"]["kernel"] == {"median_us": 11.0}
+
+
+def test_a_screening_session_that_catches_a_kernel_convicts_it_alone_as_the_protocol_does():
+    ok = {"status": "ok", "tolerance": 0.01}
+    caught = lambda name: session_answers({"status": "ok"}, {}, failing_round=2, failure={
+        "status": "cheat", "error": f"{name}: output of a timed call differs", "contestant": name})
+    clean = session_answers({"status": "ok", "typical_us": 1.0}, {"graph": timed("kernel:1")})
+    worker, log, opened = measuring_worker({"a.so": ok, "b.so": ok}, [(caught("kernel:0"), None),
+                                                                     (caught("kernel:0"), None), (clean, None)])
+    results = worker.measure(job(), ["a.so", "b.so"], 10, screen=True)
+    assert opened == [["a.so", "b.so"], ["a.so"], ["b.so"]]
+    assert [r["status"] for r in results] == ["cheat", "ok"] and "kernel:0" in results[0]["error"]
+    assert ("graph", "close", None) in log  # a failed session: fresh processes after it

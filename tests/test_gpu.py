@@ -544,3 +544,54 @@ def test_check_of_a_library_exits_3_on_a_deliberately_slow_kernel(tmp_path, cach
     assert row["status"] == "ok" and 0 < row["measured"] < 1.0 and not row["passed"]
     assert runner.invoke(app, ["check", "--library", str(library), "--fail-under", "0",
                                "--results", str(results)]).exit_code == 0
+
+
+def test_screening_verifies_every_kernel_in_full_and_ranks_as_the_protocol_does(context):
+    """The optimize loop's screening pass on the GPU (Worker._screen): the verifier's every
+    check first (the broken kernels are caught as in the protocol), then the graph method
+    alone for a few rounds; its rows are SCREENED, with no claimed speedup. The protocol then
+    measures the template kernels in full: the screened graph times agree with its graph
+    times. Prints where the seconds go: verification, a screening session, a full one."""
+    import time
+
+    from cudal2.pipeline import build_all, measure_rows
+    from cudal2.protocol import PROTOCOL, SCREEN_PROTOCOL, SCREENED
+
+    problem = Problem(2048, 2048, 2048)
+    ctx = context(problem)
+    ctx.settings = Settings(results=ctx.settings.results, budget=1.0, timeout=120.0)  # the default budget
+    kernels = [template_candidate("sm80_mma", params, gpu_cc()) for params in
+               ({}, {"stages": "3"}, {"block_n": "64"}, {"block_m": "64"})]
+    broken = [Candidate.from_source(fixture_source(v), v) for v in ("half", "past_end", "memo_static")]
+    honest = Candidate.from_source(fixture_source("honest"), "honest")
+    try:
+        measure_baselines(ctx)  # the cuBLASLt choice the sessions reuse, the shims built
+        built = build_all(ctx, kernels + broken + [honest])
+        began = time.monotonic()
+        verdicts = [ctx.worker._graph.request({**ctx.job("kernels"), "op": "kernel", "library": str(b.build.library)},
+                                              120.0)["status"] for b in built[:len(kernels)]]
+        verify_s = (time.monotonic() - began) / len(kernels)
+        began = time.monotonic()
+        screened = {row["kernel"]: row for row in measure_rows(ctx, built, screen=True)}
+        screen_s = time.monotonic() - began
+        began = time.monotonic()
+        full = {row["kernel"]: row for row in measure_rows(ctx, built[:len(kernels)])}
+        full_s = time.monotonic() - began
+    finally:
+        ctx.worker.close()
+    report = {name: (row["status"], (row.get("error") or "")[:200]) for name, row in screened.items()}
+    print(f"screening 2048^3: {len(built)} kernels in {screen_s:.2f} s ({verify_s:.3f} s to verify one alone); "
+          f"the protocol's session of {len(kernels)}: {full_s:.2f} s; {report}")
+    assert verdicts == ["ok"] * len(kernels)
+    assert {v: screened[v]["status"] for v in ("half", "past_end", "memo_static")} == {
+        "half": "wrong", "past_end": "cheat", "memo_static": screened["memo_static"]["status"]}, report
+    assert screened["memo_static"]["status"] in ("cheat", "wrong"), report
+    passed = [str(c) for c in kernels] + ["honest"]
+    assert all(screened[k]["status"] == SCREENED and screened[k]["protocol"] == SCREEN_PROTOCOL for k in passed), report
+    assert all(screened[k].get("speedup_offline") is None and screened[k]["graph_us"] > 0 for k in passed)
+    for name in map(str, kernels):
+        assert full[name]["status"] == "ok" and full[name]["protocol"] == PROTOCOL, full[name].get("error")
+        print(f"{name}: screened graph {screened[name]['graph_us']:.1f} us, protocol graph {full[name]['graph_us']:.1f} "
+              f"us, kernel {full[name]['kernel_us']:.1f} us")
+        assert screened[name]["graph_us"] == pytest.approx(full[name]["graph_us"], rel=0.15)
+    assert screen_s < full_s
