@@ -236,7 +236,7 @@ def measure_rows(ctx: Context, items: list[Built], screen: bool = False) -> list
             on_gpu.append((row, item))
     if on_gpu:
         results = ctx.worker.measure(ctx.job("kernels"), [str(item.build.library) for _, item in on_gpu],
-                                     ctx.settings.timeout, **({"screen": True} if screen else {}))
+                                     ctx.settings.timeout, screen=screen)
         for (row, _), result in zip(on_gpu, results, strict=True):
             row.update(status=result["status"], error=result.get("error") or None,
                        max_error=result.get("max_error"), tolerance=result.get("tolerance"),
