@@ -146,8 +146,9 @@ class Worker:
         one result per library, verify's verdict with the kernel's timings and the
         baselines' of its session under "kernel" and their names. A session of several that
         fails (a check, a crash, a hang) convicts none: the contestant whose check failed may
-        be another's victim (a kernel that writes into cuBLAS's output, say), so each kernel
-        left is timed alone, and a session of one answers for its kernel. A kernel below the
+        be another's victim (a kernel that writes into cuBLAS's output, say), so each half of
+        it is timed again, and so on down to a session of one, which answers for its kernel
+        (one culprit among 64 screened costs about 12 sessions, not 64). A kernel below the
         physical limit is rejected at the finish, by its own times. With `screen`, every
         kernel is verified alike and the session is a screening one (_screen)."""
         if screen:
@@ -157,10 +158,11 @@ class Worker:
             results.append(self._graph.request({**job, "op": "kernel", "library": library}, timeout))
             if results[-1].get("status") not in ("ok", "unsupported") or results[-1].get("left_error"):
                 self._graph.close()
-        pending = [i for i, result in enumerate(results) if result.get("status") == "ok"]
-        alone = False
-        while pending:
-            group = {f"kernel:{i}": i for i in (pending[:1] if alone else pending)}
+        verified = [i for i, result in enumerate(results) if result.get("status") == "ok"]
+        groups = [verified] if verified else []
+        while groups:
+            members = groups.pop(0)
+            group = {f"kernel:{i}": i for i in members}
             kernels = [{"name": name, "library": libraries[i], "tolerance": results[i]["tolerance"]}
                        for name, i in group.items()]
             answer = self.request({**job, "op": "kernels", "kernels": kernels}, timeout)
@@ -173,13 +175,12 @@ class Worker:
                         results[i] = {**results[i], "cublaslt": answer.get("cublaslt"),
                                       "temperature_c": answer.get("temperature_c"),
                                       "timings": _own_timings(answer["timings"], name)}
-                pending = [i for i in pending if i not in group.values()]
-            elif len(group) == 1:
-                i = next(iter(group.values()))
-                results[i] = {**results[i], "status": answer["status"], "error": answer.get("error"), "timings": {}}
-                pending.remove(i)
-            else:
-                alone = True
+            elif len(members) == 1:
+                results[members[0]] = {**results[members[0]], "status": answer["status"], "error": answer.get("error"),
+                                       "timings": {}}
+            else:  # convicts none: each half is timed again, down to a session of one
+                half = len(members) // 2
+                groups[:0] = [members[:half], members[half:]]
         return results
 
     def pool_bytes(self, timeout: float = 60.0) -> dict[str, int]:

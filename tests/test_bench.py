@@ -625,3 +625,20 @@ def test_a_screening_session_that_catches_a_kernel_convicts_it_alone_as_the_prot
     assert opened == [["a.so", "b.so"], ["a.so"], ["b.so"]]
     assert [r["status"] for r in results] == ["cheat", "ok"] and "kernel:0" in results[0]["error"]
     assert ("graph", "close", None) in log  # a failed session: fresh processes after it
+
+
+def test_a_failed_session_of_several_is_timed_again_by_halves_down_to_the_culprit():
+    """One culprit among four: its session and the halves holding it fail, the innocent half
+    is timed as one session, and only a session of one convicts (log2 sessions, not one
+    each: a screening session holds 64 kernels)."""
+    ok = {"status": "ok", "tolerance": 0.01}
+    failing = lambda: (session_answers({"status": "ok", "typical_us": 1.0}, {}, failing_round=1, failure={
+        "status": "cheat", "error": "kernel:1: output of a timed call differs", "contestant": "kernel:1"}), None)
+    clean = lambda *names: (session_answers({"status": "ok", "typical_us": 1.0}, {"graph": timed(*names)}), None)
+    libraries = ["a.so", "b.so", "c.so", "d.so"]
+    worker, log, opened = measuring_worker(dict.fromkeys(libraries, ok), [
+        failing(), failing(), clean("kernel:0"), failing(), clean("kernel:2", "kernel:3")])
+    results = worker.measure(job(), libraries, 10, screen=True)
+    assert opened == [libraries, ["a.so", "b.so"], ["a.so"], ["b.so"], ["c.so", "d.so"]]
+    assert [r["status"] for r in results] == ["ok", "cheat", "ok", "ok"]
+    assert results[3]["timings"]["graph"]["kernel"] == {"median_us": 11.0}
