@@ -57,9 +57,12 @@ def test_gmma_split_k_passes_the_verifier_on_few_tile_long_k_shapes(compiler, pa
             if verdict.status != "ok":
                 failures.append(f"{problem}: {verdict.status} {verdict.reason}")
     assert not failures, "\n".join(failures)
-    # The split fills the GPU: one tile of a long K takes 16 clusters (128 of the 132 SMs).
+    # The split fills the GPU: one tile of a long K takes as many clusters of 8 as run at once,
+    # at most 16 (128 of the 132 SMs): all 16 where CTAs share SMs (64x64), at least 8 where
+    # each takes an SM's shared memory and a cluster must find 8 free SMs in one GPC.
     tile = int(params["block_m"]) * int(params["block_n"])
-    assert kernel.workspace_bytes(64, 64, 16384) == 16 * tile * 4
+    clusters = kernel.workspace_bytes(64, 64, 16384) // (tile * 4)
+    assert (clusters == 16) if params is SMALL else (8 <= clusters <= 16), clusters
     assert kernel.workspace_bytes(512, 256, 64) == 0  # one K tile: one cluster, nothing parked
 
 
