@@ -27,6 +27,9 @@ def test_clusters_fill_one_wave_of_the_sms_and_leave_every_cta_k():
     assert split_of(small, Problem(512, 512, 8192)) == (8, 8)  # 64 tiles: one cluster fills the SMs
     assert split_of(small, Problem(64, 64, 1024)) == (16, 8)  # 16 K tiles: 2 clusters of 8 CTAs, one each
     assert split_of({**small, "k_clusters": 4}, Problem(64, 64, 16384)) == (32, 8)  # the cap
+    # CTAs that take an SM's shared memory: fewer clusters of 8 run at once than 132 / 8.
+    large = {"block_m": 128, "block_n": 128, "stages": 4, "split_k": 8, "k_clusters": 16}
+    assert split_of(large, Problem(64, 64, 16384)) == (14 * 8, 8)
 
 
 def test_it_serves_few_tiles_with_a_long_k_on_rows_tma_can_read():
