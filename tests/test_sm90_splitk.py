@@ -1,0 +1,57 @@
+"""sm90_splitk without a GPU: the launch's clusters per tile fill one wave of the SMs as the
+cost model reckons them, the template serves only the problems it can read (rows on 16
+bytes) in its regime, and one configuration builds for sm_90a with nothing but the allowed
+imports and the shared memory its space declares."""
+
+from __future__ import annotations
+
+import pytest
+
+from cudal2.problem import Problem
+from cudal2.render import get_template, render, template_candidate
+from cudal2.verify import forbidden_imports
+
+SPACE = get_template("sm90_splitk").space
+
+
+def split_of(params: dict, problem: Problem) -> tuple[int, int]:
+    """(slices of a tile's K, the CTAs of them that wait for each other) on the H200."""
+    inputs = SPACE.cost_inputs(SPACE.resolve(params, 90, "sm90_splitk"), 90, problem, 132)
+    return inputs["split_k"], inputs["waiting_slices"]
+
+
+def test_clusters_fill_one_wave_of_the_sms_and_leave_every_cta_k():
+    small = {"block_m": 64, "block_n": 64, "split_k": 8, "k_clusters": 16}
+    assert split_of(small, Problem(64, 64, 16384)) == (128, 8)  # one tile: 16 clusters, 128 SMs
+    assert split_of(small, Problem(128, 256, 16384)) == (16, 8)  # 8 tiles: 2 clusters each
+    assert split_of(small, Problem(512, 512, 8192)) == (8, 8)  # 64 tiles: one cluster fills the SMs
+    assert split_of(small, Problem(64, 64, 1024)) == (16, 8)  # 16 K tiles: 2 clusters of 8 CTAs, one each
+    assert split_of({**small, "k_clusters": 4}, Problem(64, 64, 16384)) == (32, 8)  # the cap
+    # CTAs that take an SM's shared memory: fewer clusters of 8 run at once than 132 / 8.
+    large = {"block_m": 128, "block_n": 128, "stages": 4, "split_k": 8, "k_clusters": 16}
+    assert split_of(large, Problem(64, 64, 16384)) == (14 * 8, 8)
+
+
+def test_it_serves_few_tiles_with_a_long_k_on_rows_tma_can_read():
+    assert SPACE.admits(Problem(64, 64, 16384, "bf16", "nt"))
+    assert SPACE.admits(Problem(2048, 64, 16384, "fp16", "nn"))
+    assert not SPACE.admits(Problem(64, 64, 16388, "bf16", "nt"))  # K rows not on 16 bytes
+    assert not SPACE.admits(Problem(64, 60, 16384, "fp16", "nn"))  # B's rows under nn
+    assert SPACE.admits(Problem(64, 60, 16384, "fp16", "nt"))
+    assert not SPACE.admits(Problem(4096, 4096, 4096))  # 1024 tiles of 128x128: not its regime
+    assert not SPACE.admits(Problem(512, 512, 256))  # a short K
+
+
+@pytest.mark.nvcc
+@pytest.mark.slow  # one CuTe TMA + GMMA build: about a minute of one core
+def test_two_warpgroup_n_major_configuration_builds_for_sm90a(compiler):
+    """fp16 nn reads B N-major (GMMA's transposed B) and a 128-row tile takes two warpgroups:
+    it builds without spills, imports only what a kernel may, and declares the dynamic shared
+    memory its space reckons."""
+    params = {"block_m": "128", "block_n": "128", "stages": "4", "split_k": "8", "k_clusters": "16"}
+    build = compiler.compile(render(template_candidate("sm90_splitk", params, 90), Problem(1, 1, 1, "fp16", "nn")))
+    assert build.status == "ok", build.log[-3000:]
+    assert {"cudal2_gemm", "cudal2_workspace_bytes"} <= set(build.exports)
+    assert forbidden_imports(build.imports) == []
+    assert build.spill_bytes == 0
+    assert build.declared["dynamic_smem_bytes"] == SPACE.facts(SPACE.resolve(params, 90, "sm90_splitk"), 90)["smem_bytes"]
