@@ -85,6 +85,15 @@ def test_a_build_resumes_and_travels_to_another_machine_as_a_tarball(tmp_path):
     assert prebuilt.unpack(tarball, tmp_path / "there") == 2
     assert all(there.lookup(e.source).status == "ok" for e in entries)
     assert prebuilt.unpack(tarball, tmp_path / "there") == 0  # kept, not written again
+    # A download cut short, even by its last bytes only, is refused in one line and adds nothing.
+    for cut in (8, tarball.stat().st_size // 2):
+        truncated = tmp_path / f"cut-{cut}.tar.gz"
+        truncated.write_bytes(tarball.read_bytes()[:-cut])
+        refused = CliRunner(env={"CUDAL2_CACHE_DIR": str(tmp_path / "cut")}).invoke(
+            app, ["prebuild", "--unpack", str(truncated)])
+        assert refused.exit_code == 1 and refused.output.count("\n") == 1, refused.output
+        assert refused.output.startswith(f"error: cannot unpack {truncated}: the tarball is truncated")
+        assert not [p for p in (tmp_path / "cut").rglob("*") if p.is_file()]  # nothing half-unpacked
     # or straight from another cache directory
     assert prebuilt.unpack(tmp_path / "here", tmp_path / "third") == 2
     # Each cache's manifest lists what of the set it holds (what the search starts from
@@ -120,6 +129,17 @@ def test_a_tarball_that_is_not_a_cache_is_refused(tmp_path):
         tar.add(tmp_path / "evil", arcname="../evil")
     with pytest.raises(Exception, match="not a kernel build"):
         prebuilt.unpack(bad, tmp_path / "cache")
+    # A tar cut at a member's boundary reads as a shorter archive: without the manifest that
+    # `pack` writes last, it is refused, and none of its builds is added.
+    build = tmp_path / "kernels" / "ab" / "abcdef"
+    build.mkdir(parents=True)
+    (build / "build.json").write_text("{}")
+    headless = tmp_path / "headless.tar.gz"
+    with tarfile.open(headless, "w:gz") as tar:
+        tar.add(tmp_path / "kernels", arcname="kernels")
+    with pytest.raises(Exception, match="ends before its manifest"):
+        prebuilt.unpack(headless, tmp_path / "cache")
+    assert not [p for p in (tmp_path / "cache").rglob("*") if p.is_file()]
 
 
 def test_the_cli_lists_the_h200_set_from_the_shipped_measurements(tmp_path, monkeypatch):
