@@ -199,10 +199,10 @@ class Space:
         output tiles; more where a scheduler pads their count and runs the padding tiles too)
         and tiles (default: M and N each cut by tile_m and tile_n).
         A key may read the keys above it in the table."""
-        names = {**self.facts(params, cc), "m": problem.m, "n": problem.n, "k": problem.k,
-                 "layout": problem.layout, "sm_count": sm_count}
-        self._assign("cost", names)  # in file order: a key may read the ones above it
-        inputs: dict[str, Any] = {name: names[name] for name in self.cost}
+        if "pricer" not in self._code:
+            self._code["pricer"] = self._pricer()
+        inputs: dict[str, Any] = self._code["pricer"](params, target_facts(cc), problem.m, problem.n, problem.k,
+                                                      problem.layout, sm_count)
         for name, default in (("requires", True), ("split_k", 1), ("extra_bytes", 0), ("extra_launches", 0),
                               ("extra_us", 0.0), ("ordered_reduction", False), ("slices_wait", True),
                               ("waiting_slices", 0), ("exposed_epilogue_bytes", 0), ("stream_k_tiles", 0),
@@ -241,8 +241,29 @@ class Space:
             raise Cudal2Error(f"invalid {template} configuration ({shown}): fails {'; '.join(broken)}")
         return params
 
+    def _pricer(self):
+        """The [cost] table as one function of (params, target facts, m, n, k, layout,
+        sm_count) -> the table's values: the parameters and derived values it reads become
+        local variables, each key one assignment in file order. Ranking a space calls it for
+        every configuration the model tells apart (100,000 for sm90_cutlass), 4x faster than
+        running the tables on a dictionary of names."""
+        params, derived = set(), set()
+        for expr in self.cost.values():
+            read = self.reads(expr)
+            params |= read[0]
+            derived |= read[1]
+        lines = ["def cost_table(params, facts, m, n, k, layout, sm_count):"]
+        lines += [f"    {name} = params[{name!r}]" for name in self.params if name in params]
+        lines += [f"    {name} = facts[{name!r}]" for name in target_facts(0)]
+        lines += [f"    {name} = ({self.derived[name]})" for name in self.derived if name in derived]
+        lines += [f"    {name} = ({expr})" for name, expr in self.cost.items()]
+        lines.append("    return {" + ", ".join(f"{name!r}: {name}" for name in self.cost) + "}")
+        scope = dict(_GLOBALS)
+        exec(compile("\n".join(lines), "<space.toml [cost]>", "exec"), scope)  # trusted: shipped files
+        return scope["cost_table"]
+
     def _assign(self, table: str, names: dict[str, Any]) -> None:
-        """Runs the table `derived` or `cost` on `names`, adding each of its keys."""
+        """Runs the table `derived` on `names`, adding each of its keys."""
         if table not in self._code:
             self._code[table] = _assignments(getattr(self, table))
         exec(self._code[table], _GLOBALS, names)  # trusted: shipped files
