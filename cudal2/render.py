@@ -273,34 +273,55 @@ class Space:
         itertools.product); enumerated once per compute capability."""
         names = list(self.params)
         if cc not in self._valid:
-            self._valid[cc] = tuple(tuple(c.values()) for c in self._enumerate(cc))
+            self._valid[cc] = tuple(self._enumerate(cc))
         return (dict(zip(names, values)) for values in self._valid[cc])
 
-    def _enumerate(self, cc: int) -> Iterator[dict[str, Any]]:
-        """The valid parameter sets. Each constraint is checked as soon as the parameters it
-        reads are chosen, so whole subtrees of the product are skipped, not enumerated."""
+    def _enumerate(self, cc: int) -> Iterator[tuple[Any, ...]]:
+        """The valid parameter sets, as value tuples. Each constraint is checked as soon as
+        the parameters it reads are chosen, so whole subtrees of the product are skipped, not
+        enumerated; the checks of one depth run as one compiled function (_depth_check)."""
         names = list(self.params)
         depth = {name: i for i, name in enumerate(names)}
-        # Per constraint: the derived values it needs (in file order) and the depth at
-        # which the last of its parameters is chosen.
-        checks: list[list[tuple[str, tuple[str, ...]]]] = [[] for _ in names]
+        # Per depth: the constraints whose last parameter is chosen there, in file order.
+        rules: list[list[str]] = [[] for _ in names]
         for rule in self.constraints:
-            params, derived = self.reads(rule)
-            at = max((depth[n] for n in params), default=0)
-            checks[at].append((rule, tuple(d for d in self.derived if d in derived)))
-        base = target_facts(cc)
+            params, _ = self.reads(rule)
+            rules[max((depth[n] for n in params), default=0)].append(rule)
+        checks = [self._depth_check(names[: i + 1], found, cc) if found else None for i, found in enumerate(rules)]
+        values = [self.params[name].values for name in names]
+        last = len(names) - 1
 
-        def walk(i: int, chosen: dict[str, Any]) -> Iterator[dict[str, Any]]:
-            if i == len(names):
-                yield dict(chosen)
-                return
-            for value in self.params[names[i]].values:
-                chosen[names[i]] = value
-                if all(self._holds(rule, derived, {**base, **chosen}) for rule, derived in checks[i]):
-                    yield from walk(i + 1, chosen)
-            del chosen[names[i]]
+        def walk(i: int, chosen: list[Any]) -> Iterator[tuple[Any, ...]]:
+            check = checks[i]
+            for value in values[i]:
+                chosen.append(value)
+                if check is None or check(*chosen):
+                    if i == last:
+                        yield tuple(chosen)
+                    else:
+                        yield from walk(i + 1, chosen)
+                chosen.pop()
 
-        yield from walk(0, {})
+        yield from walk(0, [])
+
+    def _depth_check(self, names: list[str], rules: list[str], cc: int):
+        """One function of the parameters chosen so far (`names`, in order) that says whether
+        `rules` all hold on target `cc`: each rule in turn, after the derived values it reads
+        (in file order, each computed once), stopping at the first that fails."""
+        lines = [f"def check({', '.join(names)}):"]
+        done: set[str] = set()
+        for rule in rules:
+            _, derived = self.reads(rule)
+            for name in self.derived:
+                if name in derived and name not in done:
+                    done.add(name)
+                    lines.append(f"    {name} = ({self.derived[name]})")
+            lines.append(f"    if not ({rule}):")
+            lines.append("        return False")
+        lines.append("    return True")
+        scope = {**_GLOBALS, **target_facts(cc)}
+        exec(compile("\n".join(lines), "<space.toml constraints>", "exec"), scope)  # trusted: shipped files
+        return scope["check"]
 
     def binding(self, cc: int) -> tuple[str, ...]:
         """The constraints that some values of the parameters they read break on target `cc`.
