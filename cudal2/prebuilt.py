@@ -22,11 +22,13 @@ tarball and `unpack` adds one, or another machine's cache directory, to this mac
 
 from __future__ import annotations
 
+import gzip
 import io
 import json
 import math
 import shutil
 import tarfile
+import tempfile
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -242,49 +244,73 @@ def pack(entries: list[Entry], compiler: Compiler, out: Path) -> int:
 
 def unpack(source: Path, cache_dir: Path) -> int:
     """Adds the kernel builds of a tarball from `pack`, or of another cache directory, to
-    `cache_dir`; entries already there are kept. Returns how many were added."""
-    target = Path(cache_dir) / "kernels"
-    if not Path(source).exists():
+    `cache_dir`; entries already there are kept. Returns how many were added. A tarball is
+    read whole before anything is added: a truncated or corrupt one adds nothing."""
+    source = Path(source)
+    if not source.exists():
         raise Cudal2Error(f"cannot unpack {source}: no such file or directory")
-    if not Path(source).is_dir() and not tarfile.is_tarfile(source):
+    if not source.is_dir() and not tarfile.is_tarfile(source):
         raise Cudal2Error(f"cannot unpack {source}: not a tarball (`cudal2 prebuild --pack FILE` writes one) "
                           "nor a cache directory")
+    target = Path(cache_dir) / "kernels"
     try:
         target.mkdir(parents=True, exist_ok=True)
     except OSError as exc:
         raise Cudal2Error(f"cannot use kernel cache {cache_dir} (CUDAL2_CACHE_DIR): {exc.strerror}") from None
-    added = 0
-    if Path(source).is_dir():
-        for meta in (Path(source) / "kernels").glob("*/*/build.json"):
+    if source.is_dir():
+        added = 0
+        for meta in (source / "kernels").glob("*/*/build.json"):
             entry = meta.parent
             destination = target / entry.parent.name / entry.name
             if not destination.exists():
                 destination.parent.mkdir(parents=True, exist_ok=True)
                 shutil.copytree(entry, destination)
                 added += 1
-        listed = _read_manifest_file(Path(source) / MANIFEST)
+        listed = _read_manifest_file(source / MANIFEST)
     else:
-        try:
-            with tarfile.open(source, "r:gz") as tar:
-                members, listed = tar.getmembers(), {}
-                for member in members:
-                    parts = Path(member.name).parts
-                    if member.name == MANIFEST and member.isfile():
-                        listed = json.loads(tar.extractfile(member).read() or b"{}")
-                    elif parts[:1] != ("kernels",) or ".." in parts or not (member.isfile() or member.isdir()):
-                        raise Cudal2Error(f"{source}: {member.name!r} is not a kernel build of a cudal2 cache")
-                builds = [m for m in members if m.name != MANIFEST]
-                keys = {Path(m.name).parts[1:3] for m in builds if len(Path(m.name).parts) >= 3}
-                fresh = {key for key in keys if not (target / key[0] / key[1]).exists()}
-                tar.extractall(Path(cache_dir), members=[m for m in builds if tuple(Path(m.name).parts[1:3]) in fresh],
-                               filter="data")
-                added = len(fresh)
-        except (tarfile.TarError, OSError, EOFError) as exc:  # a truncated or corrupt tarball
-            raise Cudal2Error(f"cannot unpack {source}: {exc}") from None
+        added, listed = _unpack_tarball(source, target)
     fields = {"template", "params", "dtype", "layout"}
     for arch, records in (listed.items() if isinstance(listed, dict) else []):
         _add_to_manifest(cache_dir, arch, [r for r in records if isinstance(r, dict) and fields <= r.keys()])
     return added
+
+
+def _unpack_tarball(source: Path, target: Path) -> tuple[int, dict]:
+    """unpack() of a tarball into the cache's `target` (its kernels/): the whole stream is
+    checked (a gzip stream cut short, even by its last bytes, or a tar without the manifest
+    `pack` writes last, is refused), then the builds are extracted into a staging directory
+    beside `target` and each moved into place whole. Returns (builds added, the manifest)."""
+    staging = Path(tempfile.mkdtemp(prefix=".unpack-", dir=target.parent))
+    try:
+        with gzip.open(source) as stream:  # reading to the end checks the length and the CRC
+            while stream.read(1 << 20):
+                pass
+        with tarfile.open(source, "r:gz") as tar:
+            members, listed = tar.getmembers(), None
+            for member in members:
+                parts = Path(member.name).parts
+                if member.name == MANIFEST and member.isfile():
+                    listed = json.loads(tar.extractfile(member).read() or b"{}")
+                elif parts[:1] != ("kernels",) or ".." in parts or not (member.isfile() or member.isdir()):
+                    raise Cudal2Error(f"cannot unpack {source}: {member.name!r} is not a kernel build of a cudal2 cache")
+            if listed is None:
+                raise Cudal2Error(f"cannot unpack {source}: it ends before its manifest ({MANIFEST}), which "
+                                  "`cudal2 prebuild --pack` writes last: the tarball is truncated")
+            builds = [m for m in members if m.name != MANIFEST]
+            keys = {Path(m.name).parts[1:3] for m in builds if len(Path(m.name).parts) >= 3}
+            fresh = {key for key in keys if not (target / key[0] / key[1]).exists()}
+            tar.extractall(staging, members=[m for m in builds if tuple(Path(m.name).parts[1:3]) in fresh],
+                           filter="data")
+        for first, second in sorted(fresh):
+            (target / first).mkdir(exist_ok=True)
+            (staging / "kernels" / first / second).replace(target / first / second)
+        return len(fresh), listed
+    except EOFError as exc:
+        raise Cudal2Error(f"cannot unpack {source}: the tarball is truncated ({exc})") from None
+    except (tarfile.TarError, OSError, ValueError) as exc:  # corrupt, unreadable, no space left
+        raise Cudal2Error(f"cannot unpack {source}: {exc}") from None
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
 
 
 def describe(entries: list[Entry]) -> list[dict]:

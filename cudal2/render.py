@@ -199,10 +199,10 @@ class Space:
         output tiles; more where a scheduler pads their count and runs the padding tiles too)
         and tiles (default: M and N each cut by tile_m and tile_n).
         A key may read the keys above it in the table."""
-        names = {**self.facts(params, cc), "m": problem.m, "n": problem.n, "k": problem.k,
-                 "layout": problem.layout, "sm_count": sm_count}
-        self._assign("cost", names)  # in file order: a key may read the ones above it
-        inputs: dict[str, Any] = {name: names[name] for name in self.cost}
+        if "pricer" not in self._code:
+            self._code["pricer"] = self._pricer()
+        inputs: dict[str, Any] = self._code["pricer"](params, target_facts(cc), problem.m, problem.n, problem.k,
+                                                      problem.layout, sm_count)
         for name, default in (("requires", True), ("split_k", 1), ("extra_bytes", 0), ("extra_launches", 0),
                               ("extra_us", 0.0), ("ordered_reduction", False), ("slices_wait", True),
                               ("waiting_slices", 0), ("exposed_epilogue_bytes", 0), ("stream_k_tiles", 0),
@@ -241,8 +241,29 @@ class Space:
             raise Cudal2Error(f"invalid {template} configuration ({shown}): fails {'; '.join(broken)}")
         return params
 
+    def _pricer(self):
+        """The [cost] table as one function of (params, target facts, m, n, k, layout,
+        sm_count) -> the table's values: the parameters and derived values it reads become
+        local variables, each key one assignment in file order. Ranking a space calls it for
+        every configuration the model tells apart (100,000 for sm90_cutlass), 4x faster than
+        running the tables on a dictionary of names."""
+        params, derived = set(), set()
+        for expr in self.cost.values():
+            read = self.reads(expr)
+            params |= read[0]
+            derived |= read[1]
+        lines = ["def cost_table(params, facts, m, n, k, layout, sm_count):"]
+        lines += [f"    {name} = params[{name!r}]" for name in self.params if name in params]
+        lines += [f"    {name} = facts[{name!r}]" for name in target_facts(0)]
+        lines += [f"    {name} = ({self.derived[name]})" for name in self.derived if name in derived]
+        lines += [f"    {name} = ({expr})" for name, expr in self.cost.items()]
+        lines.append("    return {" + ", ".join(f"{name!r}: {name}" for name in self.cost) + "}")
+        scope = dict(_GLOBALS)
+        exec(compile("\n".join(lines), "<space.toml [cost]>", "exec"), scope)  # trusted: shipped files
+        return scope["cost_table"]
+
     def _assign(self, table: str, names: dict[str, Any]) -> None:
-        """Runs the table `derived` or `cost` on `names`, adding each of its keys."""
+        """Runs the table `derived` on `names`, adding each of its keys."""
         if table not in self._code:
             self._code[table] = _assignments(getattr(self, table))
         exec(self._code[table], _GLOBALS, names)  # trusted: shipped files
@@ -252,34 +273,55 @@ class Space:
         itertools.product); enumerated once per compute capability."""
         names = list(self.params)
         if cc not in self._valid:
-            self._valid[cc] = tuple(tuple(c.values()) for c in self._enumerate(cc))
+            self._valid[cc] = tuple(self._enumerate(cc))
         return (dict(zip(names, values)) for values in self._valid[cc])
 
-    def _enumerate(self, cc: int) -> Iterator[dict[str, Any]]:
-        """The valid parameter sets. Each constraint is checked as soon as the parameters it
-        reads are chosen, so whole subtrees of the product are skipped, not enumerated."""
+    def _enumerate(self, cc: int) -> Iterator[tuple[Any, ...]]:
+        """The valid parameter sets, as value tuples. Each constraint is checked as soon as
+        the parameters it reads are chosen, so whole subtrees of the product are skipped, not
+        enumerated; the checks of one depth run as one compiled function (_depth_check)."""
         names = list(self.params)
         depth = {name: i for i, name in enumerate(names)}
-        # Per constraint: the derived values it needs (in file order) and the depth at
-        # which the last of its parameters is chosen.
-        checks: list[list[tuple[str, tuple[str, ...]]]] = [[] for _ in names]
+        # Per depth: the constraints whose last parameter is chosen there, in file order.
+        rules: list[list[str]] = [[] for _ in names]
         for rule in self.constraints:
-            params, derived = self.reads(rule)
-            at = max((depth[n] for n in params), default=0)
-            checks[at].append((rule, tuple(d for d in self.derived if d in derived)))
-        base = target_facts(cc)
+            params, _ = self.reads(rule)
+            rules[max((depth[n] for n in params), default=0)].append(rule)
+        checks = [self._depth_check(names[: i + 1], found, cc) if found else None for i, found in enumerate(rules)]
+        values = [self.params[name].values for name in names]
+        last = len(names) - 1
 
-        def walk(i: int, chosen: dict[str, Any]) -> Iterator[dict[str, Any]]:
-            if i == len(names):
-                yield dict(chosen)
-                return
-            for value in self.params[names[i]].values:
-                chosen[names[i]] = value
-                if all(self._holds(rule, derived, {**base, **chosen}) for rule, derived in checks[i]):
-                    yield from walk(i + 1, chosen)
-            del chosen[names[i]]
+        def walk(i: int, chosen: list[Any]) -> Iterator[tuple[Any, ...]]:
+            check = checks[i]
+            for value in values[i]:
+                chosen.append(value)
+                if check is None or check(*chosen):
+                    if i == last:
+                        yield tuple(chosen)
+                    else:
+                        yield from walk(i + 1, chosen)
+                chosen.pop()
 
-        yield from walk(0, {})
+        yield from walk(0, [])
+
+    def _depth_check(self, names: list[str], rules: list[str], cc: int):
+        """One function of the parameters chosen so far (`names`, in order) that says whether
+        `rules` all hold on target `cc`: each rule in turn, after the derived values it reads
+        (in file order, each computed once), stopping at the first that fails."""
+        lines = [f"def check({', '.join(names)}):"]
+        done: set[str] = set()
+        for rule in rules:
+            _, derived = self.reads(rule)
+            for name in self.derived:
+                if name in derived and name not in done:
+                    done.add(name)
+                    lines.append(f"    {name} = ({self.derived[name]})")
+            lines.append(f"    if not ({rule}):")
+            lines.append("        return False")
+        lines.append("    return True")
+        scope = {**_GLOBALS, **target_facts(cc)}
+        exec(compile("\n".join(lines), "<space.toml constraints>", "exec"), scope)  # trusted: shipped files
+        return scope["check"]
 
     def binding(self, cc: int) -> tuple[str, ...]:
         """The constraints that some values of the parameters they read break on target `cc`.

@@ -1,9 +1,8 @@
 """How results are shown: Rich tables on a terminal and plain aligned lines otherwise,
-CSV, JSON and markdown for scripts, live progress, and a shape set's report."""
+CSV, JSON and markdown for scripts, and a shape set's report."""
 
 from __future__ import annotations
 
-import contextlib
 import json
 import math
 import os
@@ -158,52 +157,6 @@ def print_optimize_summary(outcome, mode: str) -> None:
     first = "-" if outcome.first_verified_s is None else f"{outcome.first_verified_s:.1f} s"
     print(f"stopped: {outcome.stopped}; wall {outcome.wall_s:.1f} s (first verified kernel at {first}), "
           f"GPU {outcome.gpu_s:.1f} s, compile {outcome.compile_s:.1f} s")
-
-
-@contextlib.contextmanager
-
-
-def progress_display(quiet: bool, total: int):
-    """Live Rich progress on a terminal, one plain line per event otherwise, nothing
-    with --json. Yields the loop's event callback."""
-    if quiet:
-        yield None
-        return
-    if not console.is_terminal:
-        yield plain_progress
-        return
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
-
-    with Progress(SpinnerColumn(), TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
-                  TimeElapsedColumn(), console=console) as bar:
-        task = bar.add_task("measuring baselines", total=total)
-
-        def on_event(kind: str, info: dict[str, Any]) -> None:
-            if kind == "shape":
-                bar.console.print(f"[{info['index']}/{info['of']}] {info['problem']}")
-            elif kind == "batch":
-                bar.update(task, description=f"batch {info['iteration']}: compiling next, measuring {info['candidates']}")
-            elif kind == "measured":
-                row = info["row"]
-                bar.advance(task)
-                bar.console.print(f"{row['status']:<13} {fmt(info['speedup'], 3):>6}  {row['kernel']}")
-                bar.update(task, description=f"best {info['best_speedup']:.3f}x the fastest library call")
-
-        yield on_event
-
-
-def plain_progress(kind: str, info: dict[str, Any]) -> None:
-    """One line per event, for logs and pipes."""
-    if kind == "shape":
-        print(f"[{info['index']}/{info['of']}] {info['problem']}", flush=True)
-    elif kind == "baseline":
-        print(f"fastest baseline: {info['name'] or '-'} {fmt(info['us'])} us", flush=True)
-    elif kind == "batch":
-        print(f"batch {info['iteration']}: {info['candidates']} to measure, {info['invalid']} invalid", flush=True)
-    elif kind == "measured":
-        row = info["row"]
-        detail = fmt(info["speedup"], 3) if row["status"] == "ok" else ((row.get("error") or "").strip().splitlines() or [""])[0][:100]
-        print(f"  {row['status']:<13} {detail:<12} {row['kernel']}  (best {info['best_speedup']:.3f}x)", flush=True)
 
 
 # What a report shows of each best kernel: both methods, every baseline, the claim.

@@ -22,6 +22,8 @@ import functools
 import hashlib
 import subprocess
 import sys
+import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -126,3 +128,25 @@ def patch(model: torch.nn.Module) -> int:
             layer.forward = functools.partial(torch.ops.cudal2.linear.default, weight=layer.weight, bias=layer.bias)
             swapped += 1
     return swapped
+
+
+def host_us(calls: dict[str, Callable[[], object]], *, cuda: bool, rounds: int, repeat: int) -> dict[str, float]:
+    """Host time of one call of each function, in microseconds: the fastest of `rounds`
+    rounds of `repeat` calls, the functions' rounds interleaved. Another process's load slows
+    a round, never speeds it up. With `cuda`, each round's calls are queued behind a sleep
+    kernel longer than they take to queue, so that none waits for the GPU and the wall time
+    is the host's work alone."""
+    times: dict[str, list[float]] = {name: [] for name in calls}
+    for _ in range(rounds):
+        for name, fn in calls.items():
+            if cuda:
+                fn()
+                torch.cuda.synchronize()
+                torch.cuda._sleep(100_000_000)  # ~50 ms at an H200's clock
+            start = time.perf_counter()
+            for _ in range(repeat):
+                fn()
+            times[name].append((time.perf_counter() - start) / repeat * 1e6)
+            if cuda:
+                torch.cuda.synchronize()
+    return {name: min(t) for name, t in times.items()}

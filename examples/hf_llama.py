@@ -31,7 +31,6 @@ import shlex
 import statistics
 import subprocess
 import sys
-import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -177,22 +176,6 @@ def gemm_us(shape: tuple, op) -> float:
     return device_us(lambda: [op(x, w) for w in weights], graph=True) / calls
 
 
-def host_us(fn, calls: int = 200) -> float:
-    """Host time per call of fn(): the calls are queued behind a long sleep kernel, so none
-    waits for the GPU and the wall time is the host's work alone (the fastest of 3 rounds)."""
-    rounds = []
-    for _ in range(3):
-        fn()
-        torch.cuda.synchronize()
-        torch.cuda._sleep(100_000_000)  # ~50 ms at the H200's clock: longer than the calls take to queue
-        start = time.perf_counter()
-        for _ in range(calls):
-            fn()
-        rounds.append((time.perf_counter() - start) / calls * 1e6)
-        torch.cuda.synchronize()
-    return min(rounds)
-
-
 def tune(shapes: list[tuple], args) -> bool:
     """`cudal2 optimize --shapes` on the recorded GEMMs, then `cudal2 export` of their winners;
     whether a library was exported (none where no kernel was verified)."""
@@ -279,8 +262,9 @@ def main() -> None:
             m, n, k = shape
             x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
             plain, patched = layers[(n, k)]
-            host = [host_us(lambda: F.linear(x, plain.weight)), host_us(lambda: op(x, plain.weight)),
-                    host_us(lambda: plain(x)), host_us(lambda: patched(x))]
+            host = list(ops.host_us({"F.linear": lambda: F.linear(x, plain.weight), "op": lambda: op(x, plain.weight),
+                                     "nn.Linear": lambda: plain(x), "patched": lambda: patched(x)},
+                                    cuda=True, rounds=3, repeat=200).values())
             gemms.append({"shape": shape, "served": served[shape].name if served[shape] else None,
                           "library_us": library_us[shape], "tuned_us": tuned_us[shape], "host_us": host})
             print(f"| {m}x{n}x{k} | {served[shape].stem[:12] if served[shape] else 'library call'} | "

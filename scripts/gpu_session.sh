@@ -7,7 +7,7 @@
 #     this version's protocol, then scripts/remeasure.py (an independent check) on the same rows
 #   scripts/gpu_session.sh protocol-probe -> scripts/protocol_probe.py on dev rows ROWS (0-based, 0,1,2,3,4,5;
 #     PROBE_ARGS="--graphs" for the graph method behind every neighbour, or "--leads 2,8")
-#   scripts/gpu_session.sh winners -> examples/llama_mlp.py at TOKENS (1,16,128): tuned, exported, run through the op
+#   scripts/gpu_session.sh winners -> examples/hf_llama.py (LAYERS, 2): its GEMMs tuned (ITERATIONS, 1), exported, patched in
 #   scripts/gpu_session.sh ceiling -> what mma.sync can reach here: benchmarks/mma_sync_peak.cu, then
 #     CUTLASS 2.x's Ampere GEMM (examples/cutlass2_sm80_gemm_fp16_nn.cu, four tilings) beside
 #     the sm80_mma sweep grid at 4096^3, in one bench run
@@ -51,9 +51,9 @@ for stage in "$@"; do
       python3 scripts/protocol_probe.py "${DEVSET:-../shared/shapes/dev.csv}" "$results" --rows "${ROWS:-0,1,2,3,4,5}" ${PROBE_ARGS:-} \
         --out "$out/protocol-probe.json" 2>&1 | tee "$out/protocol-probe.md"
       kill "$smi" ;;
-    winners)  # use the winners on this GPU: examples/llama_mlp.py (tune, export, the op eager and in a graph)
-      python3 examples/llama_mlp.py --tokens "${TOKENS:-1,16,128}" --iterations "${ITERATIONS:-1}" --results "$results" \
-        --library "$out/llama-mlp-library" 2>&1 | tee "$out/llama-mlp.md" ;;
+    winners)  # use the winners on this GPU: examples/hf_llama.py (tune, export, patch; eager and in graphs)
+      python3 examples/hf_llama.py --layers "${LAYERS:-2}" --tune "--iterations ${ITERATIONS:-1} --batch 4" \
+        --results "$results" --library "$out/hf-llama-library" --json "$out/hf-llama.json" 2>&1 | tee "$out/hf-llama.md" ;;
     devset-optimize)  # the search proposer on every row (warm-started from the leaderboard)
       tail -n +2 "${DEVSET:-../shared/shapes/dev.csv}" | sed -n "${DEVSET_ROWS:-p}" \
         | while IFS=, read -r m n k dtype layout group; do

@@ -16,7 +16,7 @@ from pathlib import Path
 import jinja2
 import pytest
 
-from cudal2.compile import Compiler
+from cudal2.compile import Compiler, cache_key
 
 ROOT = Path(__file__).resolve().parent.parent
 FIXTURES = Path(__file__).resolve().parent / "kernels"
@@ -68,6 +68,17 @@ def arch() -> str:
 @pytest.fixture(scope="session")
 def compiler(cache_dir, arch) -> Compiler:
     return Compiler(arch, cache_dir)
+
+
+def cache_holding(path: Path, compiler: Compiler, sources: list[str]) -> Compiler:
+    """A compiler with a cache of its own at `path` that holds the builds of `sources` alone
+    (built once a session by `compiler`, copied): whatever else it is asked for compiles."""
+    own = Compiler(compiler.arch, path)
+    for source in sources:
+        assert compiler.compile(source).status == "ok"
+        key = cache_key(source, compiler.arch, ())
+        shutil.copytree(compiler.entry(key), own.entry(key))
+    return own
 
 
 def fixture_source(variant: str) -> str:

@@ -26,7 +26,7 @@ from cudal2.problem import Problem
 from cudal2.propose import HybridProposer, SearchProposer
 from cudal2.render import get_template, render, template_candidate
 
-from conftest import gpu_count
+from conftest import cache_holding, gpu_count
 
 pytestmark = pytest.mark.nvcc
 
@@ -106,6 +106,30 @@ def sm80_search(seed=0):
     return SearchProposer(H200, seed=seed, templates={"sm80_mma": get_template("sm80_mma")})
 
 
+@pytest.fixture(scope="module")
+def sm80_rankings() -> dict:
+    return {}
+
+
+@pytest.fixture(autouse=True)
+def sm80_ranked_once(sm80_rankings, monkeypatch):
+    """cost.rank of sm80_mma's space alone (what sm80_search ranks) computed once a module per
+    problem: a second or two of one core each, and most tests here search it."""
+    import cudal2.propose as propose
+
+    real = propose.rank
+
+    def rank(templates, problem, device):
+        if list(templates) != ["sm80_mma"]:
+            return real(templates, problem, device)
+        key = (problem, json.dumps(device, sort_keys=True))
+        if key not in sm80_rankings:
+            sm80_rankings[key] = real(templates, problem, device)
+        return list(sm80_rankings[key])
+
+    monkeypatch.setattr(propose, "rank", rank)
+
+
 def test_loop_measures_batches_records_rows_and_exports_the_best(tmp_path, compiler):
     ctx = context(tmp_path, compiler, StandInWorker())
     out = optimize(ctx, sm80_search(), Budget(iterations=2, batch=2, patience=None))
@@ -131,9 +155,10 @@ def test_a_batch_is_timed_in_one_session_and_a_time_budget_in_sessions_that_fit_
     from cudal2.optimize import next_session
 
     worker = StandInWorker()
-    out = optimize(context(tmp_path, compiler, worker), sm80_search(), Budget(iterations=2, batch=3, patience=None))
+    # (the batches of test_loop_measures_batches_records_rows_and_exports_the_best: built once a session)
+    out = optimize(context(tmp_path, compiler, worker), sm80_search(), Budget(iterations=2, batch=2, patience=None))
     # (until one is verified, a kernel whose compile finished first may be measured alone)
-    assert worker.sessions[-1] == 3 and sum(worker.sessions) == 6 and out.stopped == "iterations done"
+    assert worker.sessions[-1] == 2 and sum(worker.sessions) == 4 and out.stopped == "iterations done"
     assert [kernels for kernels, _ in out.sessions] == worker.sessions and out.baselines_s > 0  # where time went
     # memory bounds a session; a time budget too, by the seconds a kernel took in the last one
     assert next_session(8, 8, None, 1.0) == 8 and next_session(8, 3, None, 1.0) == 3
@@ -195,11 +220,11 @@ def test_the_first_session_of_a_problem_decides_cublaslt_between_its_finalists(t
 
 
 def test_rerun_resumes_and_measures_nothing_twice(tmp_path, compiler):
-    first = optimize(context(tmp_path, compiler, StandInWorker()), sm80_search(), Budget(iterations=1, batch=3))
-    again = optimize(context(tmp_path, compiler, StandInWorker()), sm80_search(), Budget(iterations=1, batch=3))
+    first = optimize(context(tmp_path, compiler, StandInWorker()), sm80_search(), Budget(iterations=1, batch=2))
+    again = optimize(context(tmp_path, compiler, StandInWorker()), sm80_search(), Budget(iterations=1, batch=2))
     hashes = lambda out: {r["source_hash"] for r in out.rows if r.get("source_hash")}
-    assert len(hashes(first)) == 3 and len(hashes(again)) == 3 and not hashes(first) & hashes(again)
-    redo = optimize(context(tmp_path, compiler, StandInWorker()), sm80_search(), Budget(iterations=1, batch=3),
+    assert len(hashes(first)) == 2 and len(hashes(again)) == 2 and not hashes(first) & hashes(again)
+    redo = optimize(context(tmp_path, compiler, StandInWorker()), sm80_search(), Budget(iterations=1, batch=2),
                     remeasure=True)
     assert hashes(redo) == hashes(first)  # the same seed proposes the same first batch
 
@@ -311,11 +336,12 @@ def test_a_problem_measured_before_starts_from_its_own_winners():
 def test_search_stays_within_a_given_grid(tmp_path, compiler):
     from cudal2.render import template_grid
 
-    grid = template_grid("sm80_mma", {"block_m": ["64", "128"], "stages": ["3", "4"]}, 90)
+    # (configurations other tests of the session compile too)
+    grid = template_grid("sm80_mma", {"stages": ["3", "4", "5"]}, 90)
     search = SearchProposer(H200, within=grid)
-    out = optimize(context(tmp_path, compiler, StandInWorker()), search, Budget(iterations=5, batch=3, patience=None))
+    out = optimize(context(tmp_path, compiler, StandInWorker()), search, Budget(iterations=5, batch=2, patience=None))
     measured = {r["kernel"] for r in out.rows if r["kernel"] not in BASELINES}
-    assert measured == {str(c) for c in grid}  # all four, nothing outside, then nothing new
+    assert measured == {str(c) for c in grid}  # all three, nothing outside, then nothing new
     assert out.stopped == "the proposer has nothing new"
 
 
@@ -351,10 +377,33 @@ def test_search_prefers_configurations_already_compiled():
 
 
 @pytest.fixture(scope="module")
-def hopper_ranking():
-    """The search over both templates at 4096^3 on an H200, as a fresh run proposes (12)."""
+def rankings() -> dict:
+    """The search's whole rankings (SearchProposer.ranking) by problem, computed once for the
+    tests below: seconds of one core each (every template's space, 420,000 configurations)."""
+    return {}
+
+
+@pytest.fixture
+def hopper_ranking(rankings):
+    """The search over every template at 4096^3 on an H200, as a fresh run proposes (12).
+    For the test's length, search proposers of every template with the default seed share
+    their rankings (what they rank does not depend on what is built)."""
+    from cudal2.render import load_templates
+
+    real = SearchProposer.ranking
+
+    def ranking(self, problem):
+        if self.within is not None or self.seed != 0 or self.device != H200 or self.templates.keys() != load_templates().keys():
+            return real(self, problem)
+        if problem not in rankings:
+            rankings[problem] = real(self, problem)
+        return rankings[problem]
+
+    patch = pytest.MonkeyPatch()  # its own: a test's monkeypatch.undo() leaves it in place
+    patch.setattr(SearchProposer, "ranking", ranking)
     p = Problem(4096, 4096, 4096)
-    return p, SearchProposer(H200).propose(p, [], 12)
+    yield p, SearchProposer(H200).propose(p, [], 12)
+    patch.undo()
 
 
 def test_a_first_batch_measures_every_built_configuration_before_compiling_any(hopper_ranking):
@@ -415,17 +464,14 @@ def test_patience_stops_a_run_that_no_longer_improves(tmp_path, compiler):
     assert out.best["offline_us"] == 50.0
 
 
-def test_a_time_budget_the_baselines_spend_still_measures_the_built_kernels_of_the_first_batch(tmp_path):
+def test_a_time_budget_the_baselines_spend_still_measures_the_built_kernels_of_the_first_batch(tmp_path, compiler):
     """The budget is spent before the first batch is proposed (on a fresh machine the
     baselines' session compiles the library shims: 19 s of a 20 s budget, and a shape ended
     with nothing measured): the batch's built kernel is measured, its unbuilt one is not
     compiled, and nothing more is proposed."""
-    from cudal2.compile import Compiler
-
-    compiler = Compiler("sm_90a", tmp_path / "cache")
     problem = Problem(256, 256, 256)
     built = template_candidate("sm80_mma", {}, 90)
-    compiler.compile(render(built, problem))
+    compiler = cache_holding(tmp_path / "cache", compiler, [render(built, problem)])
     unbuilt = template_candidate("sm80_mma", {"stages": "3"}, 90)
     scripted = Scripted([built, unbuilt], [template_candidate("sm80_mma", {"stages": "5"}, 90)])
     out = optimize(context(tmp_path, compiler, StandInWorker()), scripted, Budget(iterations=5, batch=2, time_s=0.0))
@@ -471,16 +517,13 @@ class Scripted:
         return self.batches.pop(0) if self.batches else []
 
 
-def test_a_kernel_measured_ahead_of_its_batch_is_recorded_in_the_batch_s_one_part(tmp_path):
+def test_a_kernel_measured_ahead_of_its_batch_is_recorded_in_the_batch_s_one_part(tmp_path, compiler):
     """The built kernel is measured while the other compiles (a few seconds of nvcc), and its
     row goes into the batch's part with the other's: one part per batch, beside the
     baselines' part."""
-    from cudal2.compile import Compiler
-
-    compiler = Compiler("sm_90a", tmp_path / "cache")
     problem = Problem(256, 256, 256)
     quick = template_candidate("sm80_mma", {}, 90)
-    compiler.compile(render(quick, problem))
+    compiler = cache_holding(tmp_path / "cache", compiler, [render(quick, problem)])
     other = template_candidate("sm80_mma", {"stages": "3"}, 90)  # not built: compiled in the batch
     order = []
     out = optimize(context(tmp_path, compiler, StandInWorker()), Scripted([quick, other]),
@@ -493,16 +536,13 @@ def test_a_kernel_measured_ahead_of_its_batch_is_recorded_in_the_batch_s_one_par
     assert sorted(kernels[~kernels.isin(BASELINES)]) == sorted([str(quick), str(other)])
 
 
-def test_the_proposer_is_shown_as_pending_only_what_is_not_measured_yet(tmp_path):
+def test_the_proposer_is_shown_as_pending_only_what_is_not_measured_yet(tmp_path, compiler):
     """A kernel measured ahead of its batch (while the other compiles) is measured, not
     pending, when the next batch is proposed; and once its batch is measured no candidate of
     it is shown as pending again."""
-    from cudal2.compile import Compiler
-
-    compiler = Compiler("sm_90a", tmp_path / "cache")
     problem = Problem(256, 256, 256)
     quick = template_candidate("sm80_mma", {}, 90)
-    compiler.compile(render(quick, problem))  # built: measured at once, ahead of its batch
+    compiler = cache_holding(tmp_path / "cache", compiler, [render(quick, problem)])  # measured ahead of its batch
     other = template_candidate("sm80_mma", {"stages": "3"}, 90)
     third = template_candidate("sm80_mma", {"stages": "2"}, 90)
     seen = []
@@ -523,18 +563,16 @@ def test_the_proposer_is_shown_as_pending_only_what_is_not_measured_yet(tmp_path
     assert not [r for r in seen[2] if r["status"] == "pending" and r["kernel"] != str(third)]
 
 
-def test_a_kernel_built_while_its_batch_compiles_is_measured_at_once(tmp_path):
+def test_a_kernel_built_while_its_batch_compiles_is_measured_at_once(tmp_path, compiler):
     """Until a kernel is verified, each build of the compiling batch is measured as soon as
     it is there: the built sm80_mma kernel is measured within the 3 s budget while the
     CUTLASS one (about a minute of nvcc) compiles, and that compile is stopped at the end."""
     import time as clock
 
-    from cudal2.compile import Compiler
-
-    compiler = Compiler("sm_90a", tmp_path / "cache")
     quick = template_candidate("sm80_mma", {}, 90)
     problem = Problem(256, 256, 256)
-    compiler.compile(render(quick, problem))  # built before the run (a cache a CPU host filled)
+    # built before the run (a cache a CPU host filled)
+    compiler = cache_holding(tmp_path / "cache", compiler, [render(quick, problem)])
     slow = template_candidate("sm90_cutlass", {}, 90)  # a CUTLASS compile: about a minute
     began, measured_at = clock.monotonic(), []
     out = optimize(context(tmp_path, compiler, StandInWorker()), Scripted([quick, slow]),
@@ -706,27 +744,6 @@ def test_llm_proposals_from_a_loopback_endpoint_run_through_the_loop(tmp_path, c
     assert out.exported is not None and out.exported.is_file()
 
 
-def test_progress_is_plain_lines_in_logs_and_live_on_a_terminal(tmp_path, compiler, capsys, monkeypatch):
-    import io
-
-    from rich.console import Console
-
-    from cudal2 import tables
-
-    with tables.progress_display(False, 2) as on_event:  # captured output is not a terminal
-        optimize(context(tmp_path, compiler, StandInWorker()), sm80_search(), Budget(iterations=1, batch=2), on_event=on_event)
-    lines = capsys.readouterr().out.splitlines()
-    assert lines[0] == "fastest baseline: cuBLASLt 95.00 us" and lines[1].startswith("batch 1: 2 to measure")
-    assert sum(line.strip().startswith("ok") for line in lines) == 2
-
-    screen = io.StringIO()
-    monkeypatch.setattr(tables, "console", Console(file=screen, force_terminal=True, width=200))
-    with tables.progress_display(False, 2) as on_event:
-        optimize(context(tmp_path / "again", compiler, StandInWorker()), sm80_search(), Budget(iterations=1, batch=2),
-                 on_event=on_event)
-    assert "best " in screen.getvalue() and "2/2" in screen.getvalue()
-
-
 def test_best_is_judged_in_the_run_mode_and_ignores_missing_speedups():
     from cudal2.optimize import best_row
 
@@ -753,12 +770,17 @@ class KilledWorker(StandInWorker):
 
 
 def shape_set_run(tmp_path, compiler, worker, problems):
+    """The set tuned by a search of three sm80_mma configurations (two of them compiled by
+    other tests of the session too), two a shape."""
     from cudal2.optimize import optimize_shapes
+    from cudal2.render import template_grid
 
     def make(problem, slot):
         return context(tmp_path, compiler, worker, problem)
 
-    return optimize_shapes(problems, make, lambda ctx: sm80_search(), Budget(iterations=1, batch=2, patience=None))
+    grid = template_grid("sm80_mma", {"stages": ["3", "4", "5"]}, 90)
+    return optimize_shapes(problems, make, lambda ctx: SearchProposer(H200, within=grid),
+                           Budget(iterations=1, batch=2, patience=None))
 
 
 def test_a_shape_set_is_tuned_in_one_run_and_a_killed_run_resumes(tmp_path, compiler):
@@ -836,6 +858,13 @@ def test_a_template_kernels_declared_resources_reach_its_row_and_the_next_prompt
     assert free.endswith(f"| {forged['registers']:.0f} | 0 | - | 0 |"), free
 
 
+# The API tests below search a grid of two sm80_mma configurations that other tests of the
+# session compile too (one build serves every shape of a dtype and layout): what they assert
+# is the set's bookkeeping, not the search, and a search of the whole space would rank it
+# and compile CUTLASS kernels (a minute each) for every test.
+TWO_BUILT = {"template": "sm80_mma", "grid": {"stages": ["3", "4"]}}
+
+
 @pytest.mark.skipif(cublas_location() is None, reason="cuBLAS headers not installed (pip install nvidia-cublas)")
 def test_the_python_api_tunes_a_shape_set_end_to_end(tmp_path, cache_dir):
     """import cudal2: optimize() over two shapes with the GPU worker stood in for (the
@@ -846,7 +875,8 @@ def test_the_python_api_tunes_a_shape_set_end_to_end(tmp_path, cache_dir):
 
     settings = Settings(results=tmp_path / "results", cache_dir=cache_dir, arch="sm_90a")
     shapes = [cudal2.Problem(256, 256, 256), cudal2.Problem(64, 128, 256)]
-    tuned = cudal2.optimize(shapes, iterations=1, batch=2, settings=settings, workers=[StandInWorker()])
+    tuned = cudal2.optimize(shapes, iterations=1, batch=2, template="sm80_mma", settings=settings,
+                            workers=[StandInWorker()])
     assert [t.problem for t in tuned] == shapes and all(t.best["status"] == "ok" for t in tuned)
     assert all(t.outcome.baseline == "cuBLASLt" and t.environment["gpu"] == "NVIDIA H200" for t in tuned)
     best = cudal2.leaderboard(results=settings.results, shapes=shapes)
@@ -877,7 +907,7 @@ def test_a_shape_whose_run_fails_costs_that_shape_not_the_set(tmp_path, cache_di
 
     settings = Settings(results=tmp_path / "results", cache_dir=cache_dir, arch="sm_90a")
     shapes = [cudal2.Problem(m, 256, 256) for m in (256, 128, 64)]
-    tuned = cudal2.optimize(shapes, iterations=1, batch=1, settings=settings, workers=[FailingOn(128)])
+    tuned = cudal2.optimize(shapes, iterations=1, batch=1, settings=settings, workers=[FailingOn(128)], **TWO_BUILT)
     assert [t.outcome.error for t in tuned] == [None, "torch.OutOfMemoryError: CUDA out of memory.", None]
     assert tuned[0].best is not None and tuned[2].best is not None and tuned[1].best is None
     assert tuned[1].outcome.stopped.startswith("failed: ")
@@ -894,7 +924,7 @@ def test_a_shape_set_spreads_over_every_gpu_worker(tmp_path, cache_dir):
     settings = Settings(results=tmp_path / "results", cache_dir=cache_dir, arch="sm_90a")
     shapes = [cudal2.Problem(m, 256, 256) for m in (64, 128, 256, 512)]
     workers = [StandInWorker(device=0), StandInWorker(device=1)]
-    tuned = cudal2.optimize(shapes, iterations=1, batch=2, settings=settings, workers=workers)
+    tuned = cudal2.optimize(shapes, iterations=1, batch=2, settings=settings, workers=workers, **TWO_BUILT)
     assert [t.problem for t in tuned] == shapes and all(t.best is not None for t in tuned)
     assert all(w.kernels for w in workers)  # both measured
     rows = Leaderboard(settings.results).read()
@@ -904,7 +934,7 @@ def test_a_shape_set_spreads_over_every_gpu_worker(tmp_path, cache_dir):
     mixed = [StandInWorker(device=0), StandInWorker(device=1)]
     mixed[1].environment = {**H200, "gpu": "NVIDIA H100 80GB HBM3"}
     with pytest.raises(Cudal2Error, match="different models or drivers"):
-        cudal2.optimize(shapes, iterations=1, batch=1, settings=settings, workers=mixed)
+        cudal2.optimize(shapes, iterations=1, batch=1, settings=settings, workers=mixed, **TWO_BUILT)
 
 
 @pytest.mark.skipif(gpu_count() > 0, reason="this machine has a GPU")
@@ -922,7 +952,7 @@ def test_check_measures_the_best_kernels_again_and_exits_3_below_the_bar(tmp_pat
 
     settings = Settings(results=tmp_path / "results", cache_dir=cache_dir, arch="sm_90a")
     shapes = [cudal2.Problem(256, 256, 256), cudal2.Problem(128, 256, 512)]
-    cudal2.optimize(shapes, iterations=1, batch=1, settings=settings, workers=[StandInWorker()])
+    cudal2.optimize(shapes, iterations=1, batch=1, settings=settings, workers=[StandInWorker()], **TWO_BUILT)
     # the stand-in's kernels run 50-149 us against cuBLASLt's 95: speedups 0.64-1.9
     passed = cudal2.check(shapes, fail_under=0.1, settings=settings, worker=StandInWorker())
     assert passed.passed and [r["status"] for r in passed.rows] == ["ok", "ok"]
@@ -951,7 +981,7 @@ def test_check_of_an_exported_library_measures_the_binaries_it_serves(tmp_path, 
 
     settings = Settings(results=tmp_path / "results", cache_dir=cache_dir, arch="sm_90a")
     shapes = [cudal2.Problem(256, 256, 256), cudal2.Problem(128, 256, 512)]
-    cudal2.optimize(shapes, iterations=1, batch=1, settings=settings, workers=[StandInWorker()])
+    cudal2.optimize(shapes, iterations=1, batch=1, settings=settings, workers=[StandInWorker()], **TWO_BUILT)
     table = cudal2.export(tmp_path / "lib", settings=settings, min_speedup=0.0)
     assert all((tmp_path / "lib" / e.library).with_suffix(".cu").is_file() for e in table.entries)
     served = [str(cudal2.Problem(e.m, e.n, e.k, e.dtype, e.layout)) for e in table.entries]

@@ -26,13 +26,33 @@ def sm80(**params):
     return json.dumps({"block_m": 64, "block_n": 64, "block_k": 32, "warps_m": 2, "warps_n": 2, "stages": 3, **params})
 
 
-# Ranking a whole space for one region takes seconds (ten for sm90_cutlass's 300,000
-# configurations on one core): these tests rank two regions' problems, not all of REGIONS.
+# Ranking a whole space for one region takes seconds (five for sm90_cutlass's 300,000
+# configurations on one core): these tests rank two regions' problems, not all of REGIONS,
+# and each of those once (the same problems and device in both tests).
 SOME_REGIONS = {name: prebuilt.REGIONS[name] for name in ("tiny", "large")}
 
 
-def test_the_set_holds_the_near_best_of_every_measured_problem_and_the_cost_model_s_picks(monkeypatch):
+@pytest.fixture(scope="module")
+def rankings() -> dict:
+    return {}
+
+
+@pytest.fixture
+def some_regions(monkeypatch, rankings):
+    """prebuilt.kernel_set over SOME_REGIONS, each region's ranking computed once a module."""
+    real = prebuilt.rank
+
+    def rank(templates, problem, device):
+        key = (tuple(templates), problem, tuple(sorted(device.items())))
+        if key not in rankings:
+            rankings[key] = real(templates, problem, device)
+        return rankings[key]
+
     monkeypatch.setattr(prebuilt, "REGIONS", SOME_REGIONS)
+    monkeypatch.setattr(prebuilt, "rank", rank)
+
+
+def test_the_set_holds_the_near_best_of_every_measured_problem_and_the_cost_model_s_picks(some_regions):
     rows = measured([
         {"params": sm80(stages=3), "speedup_offline": 1.10},   # the best of its problem
         {"params": sm80(stages=4), "speedup_offline": 1.085},  # within 2%: in
@@ -85,6 +105,15 @@ def test_a_build_resumes_and_travels_to_another_machine_as_a_tarball(tmp_path):
     assert prebuilt.unpack(tarball, tmp_path / "there") == 2
     assert all(there.lookup(e.source).status == "ok" for e in entries)
     assert prebuilt.unpack(tarball, tmp_path / "there") == 0  # kept, not written again
+    # A download cut short, even by its last bytes only, is refused in one line and adds nothing.
+    for cut in (8, tarball.stat().st_size // 2):
+        truncated = tmp_path / f"cut-{cut}.tar.gz"
+        truncated.write_bytes(tarball.read_bytes()[:-cut])
+        refused = CliRunner(env={"CUDAL2_CACHE_DIR": str(tmp_path / "cut")}).invoke(
+            app, ["prebuild", "--unpack", str(truncated)])
+        assert refused.exit_code == 1 and refused.output.count("\n") == 1, refused.output
+        assert refused.output.startswith(f"error: cannot unpack {truncated}: the tarball is truncated")
+        assert not [p for p in (tmp_path / "cut").rglob("*") if p.is_file()]  # nothing half-unpacked
     # or straight from another cache directory
     assert prebuilt.unpack(tmp_path / "here", tmp_path / "third") == 2
     # Each cache's manifest lists what of the set it holds (what the search starts from
@@ -120,10 +149,20 @@ def test_a_tarball_that_is_not_a_cache_is_refused(tmp_path):
         tar.add(tmp_path / "evil", arcname="../evil")
     with pytest.raises(Exception, match="not a kernel build"):
         prebuilt.unpack(bad, tmp_path / "cache")
+    # A tar cut at a member's boundary reads as a shorter archive: without the manifest that
+    # `pack` writes last, it is refused, and none of its builds is added.
+    build = tmp_path / "kernels" / "ab" / "abcdef"
+    build.mkdir(parents=True)
+    (build / "build.json").write_text("{}")
+    headless = tmp_path / "headless.tar.gz"
+    with tarfile.open(headless, "w:gz") as tar:
+        tar.add(tmp_path / "kernels", arcname="kernels")
+    with pytest.raises(Exception, match="ends before its manifest"):
+        prebuilt.unpack(headless, tmp_path / "cache")
+    assert not [p for p in (tmp_path / "cache").rglob("*") if p.is_file()]
 
 
-def test_the_cli_lists_the_h200_set_from_the_shipped_measurements(tmp_path, monkeypatch):
-    monkeypatch.setattr(prebuilt, "REGIONS", SOME_REGIONS)
+def test_the_cli_lists_the_h200_set_from_the_shipped_measurements(tmp_path, some_regions):
     out = CliRunner().invoke(app, ["prebuild", "--arch", "sm_90a", "--list", "--json", "--results", str(tmp_path)])
     assert out.exit_code == 0, out.output
     listed = json.loads(out.stdout)

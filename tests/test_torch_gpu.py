@@ -5,7 +5,6 @@ serve the call, and costs the host about what F.linear costs. Run with `pytest -
 from __future__ import annotations
 
 import json
-import time
 
 import pytest
 from typer.testing import CliRunner
@@ -99,23 +98,9 @@ def test_the_op_runs_the_exported_kernel_and_the_library_call_elsewhere(library)
     assert torch.equal(torch.ops.cudal2.linear(x.cpu(), w.cpu()), F.linear(x.cpu(), w.cpu()))
 
 
-def host_us(fn, calls: int = 200) -> float:
-    """Host time per call: the calls queued behind a long sleep kernel (none waits for the
-    GPU), the fastest of 5 rounds."""
-    rounds = []
-    for _ in range(5):
-        fn()
-        torch.cuda.synchronize()
-        torch.cuda._sleep(100_000_000)
-        start = time.perf_counter()
-        for _ in range(calls):
-            fn()
-        rounds.append((time.perf_counter() - start) / calls * 1e6)
-        torch.cuda.synchronize()
-    return min(rounds)
-
-
 def test_one_op_call_costs_the_host_about_what_the_library_call_costs(library):
+    import cudal2.torch as ops
+
     m, n, k = SHAPE
     w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16)
     measured = {}
@@ -123,8 +108,9 @@ def test_one_op_call_costs_the_host_about_what_the_library_call_costs(library):
                              ("fallback", torch.randn(m, 384, device="cuda", dtype=torch.bfloat16),
                               torch.randn(n, 384, device="cuda", dtype=torch.bfloat16))):
         with torch.no_grad():
-            measured[label] = (host_us(lambda: F.linear(x, weight)), host_us(lambda: torch.ops.cudal2.linear(x, weight)),
-                               host_us(lambda: torch.ops.aten.linear.default(x, weight)))
+            t = ops.host_us({"F.linear": lambda: F.linear(x, weight), "op": lambda: torch.ops.cudal2.linear(x, weight),
+                             "aten": lambda: torch.ops.aten.linear.default(x, weight)}, cuda=True, rounds=5, repeat=200)
+        measured[label] = (t["F.linear"], t["op"], t["aten"])
         print(f"host us per call, {label} {tuple(x.shape)} x {tuple(weight.shape)}: F.linear {measured[label][0]:.2f}, "
               f"torch.ops.cudal2.linear {measured[label][1]:.2f}, torch.ops.aten.linear.default {measured[label][2]:.2f}")
     # Served, the op launches the kernel itself, without cuBLAS's host work: the issue's bound. Falling

@@ -17,9 +17,10 @@ from ..llm import load_llm_settings
 from ..problem import DTYPES, Problem
 from ..protocol import PROTOCOL, best_row
 from ..tables import (console, err_console, fmt, jsonable, optimize_summary, print_bench_table, print_optimize_summary,
-                      progress_display, set_summary, verdict_line)
+                      set_summary, verdict_line)
 from .options import (Arch, Dtype, Json, K, Kernels, Layout, M, ModelOpt, N, Params, Results, ShapesOpt, TemplateOpt,
                TokensOpt, app, check_grid, cli_errors, parse_params, problems_of, read_kernel_file)
+from .progress import progress_display
 
 @app.command()
 @cli_errors
@@ -143,7 +144,7 @@ def optimize(
     llm_settings = None
     if proposer != "search":
         llm_settings = load_llm_settings({"model": llm_model, "base_url": base_url})
-    with progress_display(json_out, len(problems) * iterations * batch) as on_event:
+    with progress_display(json_out, len(problems), iterations) as on_event:
         tuned = api.optimize(problems, proposer=proposer, iterations=iterations, batch=batch, time_budget=time_budget,
                              patience=patience, seed=seed, llm_settings=llm_settings, replay=replay,
                              template=template, grid=grid, mode=mode, remeasure=remeasure,
