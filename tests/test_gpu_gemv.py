@@ -23,12 +23,11 @@ pytestmark = pytest.mark.gpu
 # N-rows through movmatrix (nn), element loads (unaligned rows, nn's B^T as tokens).
 CONFIGS = ({}, {"tile_rows": "32", "warps": "4", "unroll": "1"},
            {"tile_rows": "64", "warps": "2", "unroll": "1"}, {"tile_rows": "16", "warps": "16", "unroll": "2"})
-# sm_90+: K sliced over a cluster of 4 (wide tiles, L2 prefetch ahead of the PDL wait; most
-# slices empty where K is small) and of 2, and two groups of loads in turn (overlap); the other
-# cache policies.
-SPLIT_CONFIGS = ({"tile_rows": "64", "warps": "4", "unroll": "1", "split_k": "4", "prefetch": "1"},
-                 {"warps": "8", "unroll": "2", "split_k": "2", "cache": "evict_last"},
-                 {"tile_rows": "32", "warps": "2", "unroll": "1", "cache": "normal", "prefetch": "1", "overlap": "1"})
+# sm_90+: K sliced over a cluster of 4 (wide tiles, launched with PDL; most slices empty where
+# K is small) and of 2, and two groups of loads in turn (overlap).
+SPLIT_CONFIGS = ({"tile_rows": "64", "warps": "4", "unroll": "1", "split_k": "4", "pdl": "1"},
+                 {"warps": "8", "unroll": "2", "split_k": "2", "overlap": "1"},
+                 {"tile_rows": "32", "warps": "2", "unroll": "1", "overlap": "1", "pdl": "1"})
 # Decode shapes (M <= 8, and 9-16 in two token blocks), odd ones (K or N not a multiple of 8,
 # partial tiles and steps), and N <= 16 run transposed (M large).
 SHAPES = [(1, 4096, 4096), (2, 6144, 4096), (4, 1024, 14336), (8, 4096, 1024), (1, 1, 1), (3, 1000, 1001),
