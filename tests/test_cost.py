@@ -90,12 +90,10 @@ def test_too_few_bytes_of_loads_in_flight_per_sm_are_paid():
         return predict_us(template, {**template.space.defaults(), **params}, Problem(1, 4096, 4096, "bf16", "nt"), H200)
 
     # Measured on the H200 in the graph: 64 KiB in flight per SM (two blocks of 16 rows, 4 warps,
-    # 4 steps each) 11.4 us; 32 KiB (one block of 32 rows, 2 steps; or two of 2 warps) 17.9 and
-    # 14.4 us. The warps alone do not tell: every one of these has 4 or more warps per SM.
+    # 4 steps each) 11.0-11.4 us; 32 KiB (one block of 32 rows, 2 steps; or two of 2 warps) 17.9
+    # and 14.1-14.4 us. The warps alone do not tell: every one of these has 4 or more warps per SM.
     full = us(tile_rows=16, warps=4, unroll=4)
     assert full * 1.3 < us(tile_rows=32, warps=4, unroll=2) and full * 1.3 < us(tile_rows=16, warps=2, unroll=4)
-    # Launched with PDL behind a plain kernel: 0.3-0.4 us more in the graph.
-    assert us(pdl=1) > us(pdl=0) + 0.3
 
 
 def test_a_shallow_pipeline_waits_for_its_loads_where_the_k_loop_is_long():
@@ -281,15 +279,14 @@ def test_configurations_alike_in_what_the_cost_model_reads_are_priced_once_and_a
 
 
 def test_decode_shapes_rank_the_gemv_family_first_and_others_never_see_it():
-    """M <= 16 (or N <= 16, run transposed) moves the weights once: gemv streams them with
+    """M <= 8 (or N <= 8, run transposed) moves the weights once: gemv streams them with
     nothing else on the path and is ranked first; a shape with both sides wide is not its."""
     templates = load_templates()
-    for problem in (Problem(1, 4096, 4096, "bf16", "nt"), Problem(4096, 8, 4096, "fp16", "nn"),
-                    Problem(16, 4096, 4096, "bf16", "nt")):
+    for problem in (Problem(1, 4096, 4096, "bf16", "nt"), Problem(4096, 8, 4096, "fp16", "nn")):
         best_time, best_template, _ = rank(templates, problem, H200)[0]
         assert best_template == "gemv", problem
         floor_us = problem.min_bytes / 4.26e6  # bytes once at the H200's measured 4.26 TB/s
         assert 0.8 * floor_us < best_time < floor_us + 3.0, (problem, best_time)
     gemv = get_template("gemv")
-    for problem in (Problem(17, 4096, 4096, "bf16", "nt"), Problem(4096, 4096, 4096), Problem(17, 17, 64)):
+    for problem in (Problem(16, 4096, 4096, "bf16", "nt"), Problem(4096, 4096, 4096), Problem(9, 9, 64)):
         assert predict_us(gemv, gemv.space.defaults(), problem, H200) == math.inf
