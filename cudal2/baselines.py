@@ -25,6 +25,7 @@ import json
 import math
 import os
 import threading
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -76,7 +77,7 @@ def cublas_location() -> tuple[Path, Path, str, str] | None:
 
 def build_baselines(compiler: Compiler, problem: Problem) -> dict[str, str]:
     """The shim's libraries (cuBLAS, cuBLASLt) for this dtype and layout, compiled once, then
-    cached: name -> library path."""
+    cached: name -> library path. The two compile side by side (about 8 s each, one core)."""
     where = cublas_location()
     if where is None:
         raise Cudal2Error("cuBLAS headers not found (needed for the library baselines): install the CUDA "
@@ -84,8 +85,11 @@ def build_baselines(compiler: Compiler, problem: Problem) -> dict[str, str]:
     include, lib, blas, lt = where
     link = (f"-I{include}", f"-L{lib}", f"-l:{blas}", f"-l:{lt}", "-Xlinker", f"-rpath,{lib}")
     libraries = {}
-    for name in ("cuBLAS", "cuBLASLt"):
-        build = compiler.compile(shim_source(problem, name), link=link)
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        builds = {name: pool.submit(compiler.compile, shim_source(problem, name), link=link)
+                  for name in ("cuBLAS", "cuBLASLt")}
+    for name, future in builds.items():
+        build = future.result()
         if build.status != "ok":
             raise Cudal2Error(f"the {name} baseline does not compile: {build.log.strip().splitlines()[-1:]}")
         libraries[name] = str(build.library)

@@ -75,6 +75,10 @@ STREAM_K_FIXED_US = 5.0
 # had picked them), by scripts/cost_check.py: top 1 / top 3 / rank correlation 0.970 / 0.986 /
 # +0.70 and 0.914 / 0.969 / +0.53 before, 0.971 / 0.987 / +0.70 and 0.962 / 0.984 / +0.61 after.
 LOAD_LATENCY_US = 0.4
+# Loads in flight an SM needs to keep its share of the DRAM bandwidth (Little's law: about
+# 4.3 TB/s times 2 us of loaded latency, over 132 SMs). Measured on the H200 with gemv at
+# 1x4096x4096 bf16 nt: 64 KiB in flight per SM ran 11.4-11.7 us in the graph, 32 KiB 14.4-17.9.
+IN_FLIGHT_BYTES = 64 * 1024
 
 
 def predict_us(template: Template, params: dict[str, Any], problem: Problem, device: dict[str, Any]) -> float:
@@ -121,6 +125,9 @@ def predict_us(template: Template, params: dict[str, Any], problem: Problem, dev
     if c.get("warps"):
         occupancy = min(1.0, resident * int(c["warps"]) / OCCUPANCY_WARPS)
         memory_s = memory_s / occupancy
+    # Likewise too few bytes of loads in flight (templates that give `in_flight_bytes` a CTA).
+    if int(c["in_flight_bytes"]):
+        memory_s = memory_s / min(1.0, resident * int(c["in_flight_bytes"]) / IN_FLIGHT_BYTES)
     # Compute and memory overlap, but not perfectly: a quarter of the smaller is paid too
     # (this also ranks, among memory-bound configurations, the more efficient one first).
     gemm_us = (max(compute_s, memory_s, latency_s) + OVERLAP_LOSS * min(compute_s, memory_s)) * 1e6 + LAUNCH_US

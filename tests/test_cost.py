@@ -87,6 +87,19 @@ def test_too_few_warps_per_sm_are_paid():
     assert us(deep, warps_n=2, split_k=4) < us(deep, block_n=128, warps_n=1, split_k=8)
 
 
+def test_too_few_bytes_of_loads_in_flight_per_sm_are_paid():
+    template = get_template("gemv")
+
+    def us(**params):
+        return predict_us(template, {**template.space.defaults(), **params}, Problem(1, 4096, 4096, "bf16", "nt"), H200)
+
+    # Measured on the H200 in the graph: 64 KiB in flight per SM (two blocks of 16 rows, 4 warps,
+    # 4 steps each) 11.0-11.4 us; 32 KiB (one block of 32 rows, 2 steps; or two of 2 warps) 17.9
+    # and 14.1-14.4 us. The warps alone do not tell: every one of these has 4 or more warps per SM.
+    full = us(tile_rows=16, warps=4, unroll=4)
+    assert full * 1.3 < us(tile_rows=32, warps=4, unroll=2) and full * 1.3 < us(tile_rows=16, warps=2, unroll=4)
+
+
 def test_a_shallow_pipeline_waits_for_its_loads_where_the_k_loop_is_long():
     """Measured on the H200 at 2048x64x2048 fp16 nn (a 16x64x64 tile on four warps, 128
     tiles): 6.96 / 7.19 us (CUPTI / graph) with 4 stages, 16.18 / 11.55 us with 2 and the

@@ -12,10 +12,11 @@ from cudal2.verify import forbidden_imports
 
 @pytest.mark.nvcc
 def test_representative_configurations_compile_without_spills_or_new_imports(compiler):
-    # The default (bf16 nt: 16-byte rows into the MMA fragments) and the widest tile (fp16 nn:
-    # 8-byte N-rows through movmatrix; the transposed path too).
+    # The default (bf16 nt: 16-byte rows into the MMA fragments) and the widest tile with K
+    # sliced over a cluster of two (fp16 nn: 8-byte N-rows through movmatrix; the transposed
+    # path too).
     configs = [({}, Problem(1, 1, 1, "bf16", "nt")),
-               ({"tile_rows": "64", "warps": "4", "unroll": "1"}, Problem(1, 1, 1, "fp16", "nn"))]
+               ({"tile_rows": "64", "warps": "4", "unroll": "1", "split_k": "2"}, Problem(1, 1, 1, "fp16", "nn"))]
     builds = compiler.compile_all([render(template_candidate("gemv", params, 90), p) for params, p in configs])
     for build in builds:
         assert build.status == "ok", build.log[-3000:]
@@ -33,6 +34,8 @@ def test_invalid_configurations_are_refused_with_the_rule_they_break():
         template_candidate("gemv", {"tile_rows": "48"}, 90)
     with pytest.raises(Cudal2Error, match=r"unknown parameter cache for template gemv"):
         template_candidate("gemv", {"cache": "default"}, 90)  # measured 1.1-2.5x slower: not in the space
+    with pytest.raises(Cudal2Error, match=r"fails split_k == 1 or cc >= 90"):
+        template_candidate("gemv", {"split_k": "2"}, 80)  # slices summed in a cluster: sm_90+
 
 
 def test_the_space_is_small_and_every_configuration_is_valid():
