@@ -167,3 +167,71 @@ def endpoint():
 
 def fenced(tag: str, body: str) -> str:
     return f"```{tag}\n{body}\n```"
+
+
+def split_k_reset_failures(kernel, seed: int) -> list[str]:
+    """What goes wrong with a split-K kernel whose clusters meet through arrival counters in
+    its static memory (bf16 nt): calls queued without a sync, each on new inputs; two calls on
+    the same inputs (they must agree to the bit: a fixed-order sum); a CUDA graph replayed over
+    inputs changed in place; and calls alternating between shapes of different tile counts.
+    A counter left non-zero makes a cluster sum too early, or none at all."""
+    import random
+
+    import cupy
+
+    from cudal2.problem import Problem
+    from cudal2.verify import Numerics, Operands, compare
+
+    rng, num = random.Random(seed), Numerics("bf16")
+    stream = cupy.cuda.Stream(non_blocking=True)
+    failures: list[str] = []
+
+    def check(ops: Operands, what: str) -> None:
+        _, _, why = compare(ops.c, ops.reference(), num)
+        if why or ops.stray_writes():
+            failures.append(f"{what}: {why or 'wrote outside C'}")
+
+    with stream:
+        shapes = [Problem(64, 64, 16384, "bf16", "nt"), Problem(256, 192, 8192, "bf16", "nt")]
+        sets = {p: [Operands(p, kernel.workspace_bytes(p.m, p.n, p.k), num) for _ in range(3)] for p in shapes}
+        one = shapes[0]
+        for ops in sets[one]:
+            ops.fill("normal", rng)
+            ops.poison(rng)
+        stream.synchronize()
+        codes = [ops.call(kernel, stream) for ops in sets[one] for _ in range(2)]
+        stream.synchronize()
+        if codes != [0] * 6:
+            failures.append(f"back-to-back calls returned {codes}")
+        for i, ops in enumerate(sets[one]):
+            check(ops, f"back-to-back call {i}")
+
+        first = sets[one][0]
+        before = first.c.copy()
+        first.poison(rng)
+        first.call(kernel, stream)
+        stream.synchronize()
+        if not bool(cupy.array_equal(first.c.view(cupy.uint16), before.view(cupy.uint16))):
+            failures.append("two calls on the same inputs differ: the sum's order depends on arrival")
+
+        stream.begin_capture()
+        first.call(kernel, stream)
+        graph = stream.end_capture()
+        for replay in range(3):
+            first.fill(("normal", "uniform", "positive")[replay], rng)
+            first.poison(rng)
+            graph.launch(stream)
+            stream.synchronize()
+            check(first, f"graph replay {replay}")
+
+        for round_ in range(3):
+            for p in shapes:
+                ops = sets[p][round_]
+                ops.fill("normal", rng)
+                ops.poison(rng)
+                if ops.call(kernel, stream) != 0:
+                    failures.append(f"{p}: declined")
+            stream.synchronize()
+            for p in shapes:
+                check(sets[p][round_], f"{p}, round {round_} of alternating shapes")
+    return failures
