@@ -353,33 +353,34 @@ class ShapeRun:
         ctx, name = self.ctx, self.proposer.name
         wanted = self.budget.batch * self.budget.screen
         proposals = [from_proposer(p, name) for p in self.proposer.propose(ctx.problem, snapshot, wanted)]
-        fresh, invalid = [], []
+        fresh, invalid = [], []  # fresh: (proposal, its source)
         for proposal in proposals:
             if not isinstance(proposal, Candidate):
                 invalid.append(invalid_row(ctx, proposal.reason, proposal.text, f"{name} proposal"))
                 continue
             try:
-                digest = source_hash(render(proposal, ctx.problem))
+                source = render(proposal, ctx.problem)
             except Cudal2Error as exc:
                 invalid.append(invalid_row(ctx, str(exc), str(proposal), f"{name} proposal"))
                 continue
-            if self.inflight.claim(proposal, digest):  # else measured (or being measured): the proposer is told
-                fresh.append(proposal)
+            # else measured (or being measured): the proposer is told
+            if self.inflight.claim(proposal, source_hash(source)):
+                fresh.append((proposal, source))
         self.inflight.compiling()
         if self.budget.time_s is not None:  # built first: the others compile behind the GPU
             fresh = self._built_first(fresh, generation)
-        built = build_all(ctx, fresh, generation, on_built=self.inflight.built)
+        built = build_all(ctx, [p for p, _ in fresh], generation, on_built=self.inflight.built,
+                          sources=[s for _, s in fresh])
         self.inflight.add_compile_s(sum(b.build.seconds for b in built if not b.build.cached))
         return built, invalid
 
-    def _built_first(self, proposals: list[Candidate], generation: int) -> list[Candidate]:
+    def _built_first(self, proposals: list[tuple[Candidate, str]], generation: int) -> list[tuple[Candidate, str]]:
         """Under a time budget: the proposals already built (in the compile cache: the
         prebuilt set, earlier runs), which this batch measures. The others compile behind the
         GPU (Behind: the quickest template first), and join the first batch after
         each is built: the GPU never waits on nvcc while a built candidate is unmeasured."""
         ready, later = [], []
-        for proposal in proposals:
-            source = render(proposal, self.ctx.problem)
+        for proposal, source in proposals:
             (ready if self.ctx.compiler.lookup(source) is not None else later).append((proposal, source))
         for proposal, source in later:
             if self.ended.is_set():  # a proposal the run did not wait for
@@ -389,7 +390,7 @@ class ShapeRun:
                 self.number, _compile_s(proposal), source, generation,
                 lambda build, proposal=proposal, source=source: self.inflight.built_behind(
                     None if build is None else Built(proposal, source, build)))
-        return [proposal for proposal, _ in ready]
+        return ready
 
     def _proposer_view(self) -> list[dict[str, Any]]:
         """What the next batch's proposer sees: the visible rows, the candidates pending,

@@ -191,10 +191,11 @@ class Built:
 
 
 def build_all(ctx: Context, candidates: list[Candidate], generation: int | None = None,
-              on_built: Callable[[Built], None] | None = None) -> list[Built]:
-    """Renders and compiles every candidate, in parallel (no GPU needed); `generation`:
-    see Compiler.generation; `on_built` hears of each candidate as its build finishes."""
-    sources = [render(c, ctx.problem) for c in candidates]
+              on_built: Callable[[Built], None] | None = None, sources: list[str] | None = None) -> list[Built]:
+    """Renders (unless their `sources` are given) and compiles every candidate, in parallel
+    (no GPU needed); `generation`: see Compiler.generation; `on_built` hears of each
+    candidate as its build finishes."""
+    sources = sources if sources is not None else [render(c, ctx.problem) for c in candidates]
 
     def finished(source: str, build: Build) -> None:
         for candidate in (c for c, s in zip(candidates, sources) if s == source):
