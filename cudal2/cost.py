@@ -143,20 +143,31 @@ def predict_us(template: Template, params: dict[str, Any], problem: Problem, dev
 
 def rank(templates: dict[str, Template], problem: Problem, device: dict[str, Any]) -> list[tuple[float, str, dict]]:
     """Every valid configuration of every template that supports the problem, fastest
-    predicted first: (predicted us, template name, params). Configurations alike in the
+    predicted first: (predicted us, template name, params)."""
+    names = {name: tuple(template.space.params) for name, template in templates.items()}
+    return [(t, name, dict(zip(names[name], values))) for t, name, values in rank_values(templates, problem, device)]
+
+
+def rank_values(templates: dict[str, Template], problem: Problem,
+                device: dict[str, Any]) -> list[tuple[float, str, tuple[Any, ...]]]:
+    """rank() with each configuration as its tuple of values in its space's parameter order
+    (Space.value_sets; no dictionary per configuration). Configurations alike in the
     parameters the cost model reads are priced once (sm90_cutlass: 118,124 prices for its
     301,612 configurations; sm80_mma: 15,036 for 120,288)."""
     ranked = []
     for name, template in templates.items():
         if template.supports(problem, device["cc"]):
-            keys, prices = operator.itemgetter(*template.space.cost_params()), {}
-            for params in template.space.configurations(device["cc"]):
-                key = keys(params)
-                if key not in prices:
-                    prices[key] = predict_us(template, params, problem, device)
-                if prices[key] < math.inf:
-                    ranked.append((prices[key], name, params))
-    ranked.sort(key=lambda entry: entry[0])
+            space = template.space
+            params = tuple(space.params)
+            keys, prices = operator.itemgetter(*(params.index(p) for p in space.cost_params())), {}
+            for values in space.value_sets(device["cc"]):
+                key = keys(values)
+                price = prices.get(key)
+                if price is None:
+                    price = prices[key] = predict_us(template, dict(zip(params, values)), problem, device)
+                if price < math.inf:
+                    ranked.append((price, name, values))
+    ranked.sort(key=operator.itemgetter(0))
     return ranked
 
 

@@ -9,18 +9,20 @@ proposers that parse free text, `Invalid` records of proposals that were unusabl
 from __future__ import annotations
 
 import dataclasses
-
+import heapq
 import itertools
 import json
 import math
 import operator
 import random
 import statistics
-from collections.abc import Callable
+from array import array
+from collections import OrderedDict
+from collections.abc import Callable, Iterator
 from typing import Any, Protocol
 
 from .candidate import Candidate
-from .cost import predict_us, rank
+from .cost import predict_us, rank_values
 from .problem import Problem
 from .render import Template, load_templates, recorded_params
 
@@ -98,11 +100,58 @@ class Correction:
             return 1.0
         return math.exp(self.base[name] + sum(self.effect.get((name, k, v), 0.0) for k, v in params.items()))
 
+    def lowest(self) -> float:
+        """A factor no configuration's is below: per template its base with each parameter's
+        most negative effect (none where that lowers nothing), and 1 for the templates
+        never measured."""
+        low = {name: base for name, base in self.base.items()}
+        for key in {(name, k) for name, k, _ in self.effect}:
+            low[key[0]] += min(0.0, *(e for (name, k, _), e in self.effect.items() if (name, k) == key))
+        # Lowered by a part in 10^9: the factors' own sums, added in another order, may round
+        # a unit below this one's.
+        return min([1.0, *map(math.exp, low.values())]) * (1 - 1e-9)
+
 
 def _values_of(names: tuple[str, ...]):
     """A function giving a configuration's values of `names`, in that order, as a tuple."""
     getter = operator.itemgetter(*names)
     return getter if len(names) > 1 else (lambda params: (getter(params),))
+
+
+class Ranking:
+    """One problem's ranked configurations, fastest predicted first, held as three parallel
+    columns (predicted us, template name, tuple of values in its space's parameter order):
+    each entry read becomes (us, name, params), a dictionary made then. A Hopper ranking holds
+    320,000 configurations: 8 MB so, 170 MB as dictionaries."""
+
+    def __init__(self, entries: list[tuple[float, str, tuple[Any, ...]]], templates: dict[str, Template]):
+        self.prices = array("d", (entry[0] for entry in entries))
+        self.names = [entry[1] for entry in entries]
+        self.values = [entry[2] for entry in entries]
+        self._params = {name: tuple(template.space.params) for name, template in templates.items()}
+
+    def __len__(self) -> int:
+        return len(self.prices)
+
+    def __iter__(self) -> Iterator[tuple[float, str, dict[str, Any]]]:
+        for t, name, values in zip(self.prices, self.names, self.values):
+            yield t, name, dict(zip(self._params[name], values))
+
+    def templates(self) -> set[str]:
+        return set(self.names)
+
+    def corrected(self, correction: Correction) -> Iterator[tuple[float, str, dict[str, Any]]]:
+        """The entries by their price times `correction`, lowest first, ties in ranking order:
+        sorted() of every entry would say the same, but a batch reads a few hundred of them.
+        An entry leaves the heap once no later one can undercut it: a later entry costs at
+        least its own prediction times correction.lowest()."""
+        low, heap = correction.lowest(), []
+        for i, entry in enumerate(self):
+            while heap and heap[0][0] <= entry[0] * low:
+                yield heapq.heappop(heap)[2]
+            heapq.heappush(heap, ((price := entry[0] * correction(entry[1], entry[2])), i, (price, *entry[1:])))
+        while heap:
+            yield heapq.heappop(heap)[2]
 
 
 class SearchProposer:
@@ -128,6 +177,7 @@ class SearchProposer:
     name = "search"
     UNCACHED_PENALTY = 1.05
     WINDOW = 256  # ranked configurations re-ordered by the cache preference
+    RANKINGS_KEPT = 4  # problems whose ranking is kept (a shape set visits each in turn)
 
     def __init__(self, device: dict[str, Any], seed: int = 0, templates: dict[str, Template] | None = None,
                  prior: list[dict[str, Any]] | None = None,
@@ -143,30 +193,34 @@ class SearchProposer:
         self.prior = prior or []
         self.cached = cached
         self.built = None if within else built  # configurations known built (the prebuilt set's), per problem
-        self._ranking: dict[Problem, list[tuple[float, str, dict]]] = {}
+        self._ranking: OrderedDict[Problem, Ranking] = OrderedDict()  # the RANKINGS_KEPT latest
         self._penalty: dict[tuple[Problem, str, str], float] = {}
 
-    def ranking(self, problem: Problem) -> list[tuple[float, str, dict]]:
+    def ranking(self, problem: Problem) -> Ranking:
         if problem not in self._ranking:
             if self.within is None:
-                ranked = rank(self.templates, problem, self.device)
+                ranked = rank_values(self.templates, problem, self.device)
             else:
                 configs = [(name, json.loads(text)) for name, text in sorted(self.within)
                            if self.templates[name].supports(problem, self.device["cc"])]
-                ranked = [(predict_us(self.templates[name], params, problem, self.device), name, params)
-                          for name, params in configs]
+                ranked = [(predict_us(self.templates[name], params, problem, self.device), name,
+                           tuple(params[key] for key in self.templates[name].space.params)) for name, params in configs]
                 ranked = [entry for entry in ranked if math.isfinite(entry[0])]
-            # Ties: the configuration nearest its template's defaults first (the model has no
-            # term for some parameters, stages say, whose defaults are the measured-good
-            # choices), then a seeded shuffle.
-            rng = random.Random(self.seed)
-            values = {name: _values_of(tuple(t.space.params)) for name, t in self.templates.items()}
-            defaults = {name: values[name](t.space.defaults()) for name, t in self.templates.items()}
-            keyed = [(t, sum(map(operator.ne, values[name](params), defaults[name])), rng.random(), name, params)
-                     for t, name, params in ranked]
-            keyed.sort(key=lambda e: e[:3])
-            self._ranking[problem] = [(t, name, params) for t, _, _, name, params in keyed]
+            self._ranking[problem] = self._tie_broken(ranked)
+            while len(self._ranking) > self.RANKINGS_KEPT:
+                self._ranking.popitem(last=False)
         return self._ranking[problem]
+
+    def _tie_broken(self, ranked: list[tuple[float, str, tuple[Any, ...]]]) -> Ranking:
+        """Ties: the configuration nearest its template's defaults first (the model has no
+        term for some parameters, stages say, whose defaults are the measured-good choices),
+        then a seeded shuffle."""
+        rng = random.Random(self.seed)
+        defaults = {name: tuple(t.space.defaults()[key] for key in t.space.params) for name, t in self.templates.items()}
+        keyed = [(t, sum(map(operator.ne, values, defaults[name])), rng.random(), name, values)
+                 for t, name, values in ranked]
+        keyed.sort(key=lambda e: e[:3])
+        return Ranking([(t, name, values) for t, _, _, name, values in keyed], self.templates)
 
     def _correction(self, problem: Problem, history: list[dict[str, Any]]) -> Correction:
         measured = []
@@ -232,35 +286,46 @@ class SearchProposer:
                 break
             if math.isfinite(t):
                 take(name, params)
-        def price(entry: tuple[float, str, dict]) -> float:
-            return entry[0] * correction(entry[1], entry[2])
-
-        # One configuration per price first: those the model prices alike (they differ in
-        # stages, cluster orientation, K depth, ...) tell as much about its error as one of
-        # them does, and the neighbour moves try their differences around the fastest. So a
-        # batch spans the model's distinct options, not one tile shape's variants. Among the
-        # first WINDOW classes (and the first WINDOW of the rest) the cache preference may
-        # reorder.
-        firsts, rest, prices = [], [], set()
-        for t, entry in sorted(((price(e), e) for e in self._first_ranking(problem, first, n - len(picks), fresh)),
-                               key=lambda pair: pair[0]):
-            key = (entry[1], round(math.log(t), 3))
-            (rest if key in prices else firsts).append((t, entry[1], entry[2]))
-            prices.add(key)
-
-        def cache_first(entries: list) -> list:  # entries carry their corrected price
-            def key(e):  # the first batch takes every built configuration before any other
-                return (penalty(e[1], e[2]) > 1.0, e[0]) if first else (e[0] * penalty(e[1], e[2]),)
-            return sorted(entries[: self.WINDOW], key=key) + entries[self.WINDOW:]
-
-        ordered = cache_first(firsts) + cache_first(rest)
-        for _, name, params in ordered:
+        ranking = self._first_ranking(problem, first, n - len(picks), fresh)
+        for _, name, params in self._ordered(ranking.corrected(correction), penalty, first):
             if len(picks) >= n:
                 break
             take(name, params)
         if first and self.cached is not None and picks:
-            self._quick_build(problem, picks, ordered, penalty, fresh)
+            self._quick_build(problem, picks, ranking, correction, penalty, fresh)
         return picks
+
+    def _ordered(self, corrected: Iterator[tuple[float, str, dict]], penalty,
+                 first: bool) -> Iterator[tuple[float, str, dict]]:
+        """The ranked half's order, read from `corrected` (entries by corrected price) only as
+        far as a batch takes. One configuration per price first: those the model prices alike
+        (they differ in stages, cluster orientation, K depth, ...) tell as much about its
+        error as one of them does, and the neighbour moves try their differences around the
+        fastest. So a batch spans the model's distinct options, not one tile shape's variants;
+        the others follow. Among the first WINDOW of each (the price classes' firsts, then the
+        rest) the cache preference may reorder."""
+        def cache_first(entries: list) -> list:  # entries carry their corrected price
+            def key(e):  # the first batch takes every built configuration before any other
+                return (penalty(e[1], e[2]) > 1.0, e[0]) if first else (e[0] * penalty(e[1], e[2]),)
+            return sorted(entries, key=key)
+
+        firsts, rest, prices = [], [], set()
+        for entry in corrected:
+            key = (entry[1], round(math.log(entry[0]), 3))
+            if key in prices:
+                rest.append(entry)
+                continue
+            prices.add(key)
+            if len(firsts) < self.WINDOW:
+                firsts.append(entry)
+                if len(firsts) == self.WINDOW:
+                    yield from cache_first(firsts)
+            else:
+                yield entry
+        if len(firsts) < self.WINDOW:
+            yield from cache_first(firsts)
+        yield from cache_first(rest[: self.WINDOW])
+        yield from rest[self.WINDOW:]
 
     def _near(self, history: list[dict[str, Any]], fresh, score) -> tuple[list[dict], list[tuple[float, str, dict]]]:
         """This problem's verified template rows, fastest first, and the fresh neighbours of
@@ -301,10 +366,10 @@ class SearchProposer:
                 warm.append((score(row["template"], params), row["template"], params))
         return warm
 
-    def _first_ranking(self, problem: Problem, first: bool, wanted: int, fresh) -> list[tuple[float, str, dict]]:
+    def _first_ranking(self, problem: Problem, first: bool, wanted: int, fresh) -> Ranking:
         """What the batch's ranked half is drawn from: for a first batch with at least
         `wanted` fresh built configurations (`built`), those alone, ranked in milliseconds;
-        else the whole ranking (seconds: 230,000 configurations on Hopper), which a later
+        else the whole ranking (seconds: 320,000 configurations on Hopper), which a later
         batch computes while the first one is on the GPU."""
         if first and self.built is not None and problem not in self._ranking:
             ranked = []
@@ -312,23 +377,24 @@ class SearchProposer:
                 template = self.templates.get(name)
                 if (template is not None and template.supports(problem, self.device["cc"]) and fresh(name, params)
                         and math.isfinite(t := predict_us(template, params, problem, self.device))):
-                    ranked.append((t, name, params))
+                    ranked.append((t, name, tuple(params[key] for key in template.space.params)))
             if len(ranked) >= wanted:
-                return sorted(ranked, key=lambda e: e[0])
+                return Ranking(sorted(ranked, key=lambda e: e[0]), self.templates)
         return self.ranking(problem)
 
-    def _quick_build(self, problem: Problem, picks: list[Candidate], ordered: list, penalty, fresh) -> None:
+    def _quick_build(self, problem: Problem, picks: list[Candidate], ranking: Ranking, correction: Correction,
+                     penalty, fresh) -> None:
         """A first batch with nothing built holds the best configuration of the template that
         compiles fastest (sm80_mma: seconds; a CUTLASS kernel: half a minute and more), so a
         run from an empty cache has a verified kernel while the others compile."""
         if any(penalty(c.template, c.param_dict) <= 1.0 for c in picks):
             return
-        ranked = {name for _, name, _ in ordered}  # a template that can run this shape (gemv: M or N <= 8)
+        ranked = ranking.templates()  # a template that can run this shape (gemv: M or N <= 8)
         quick = min((t for t in self.templates.values() if t.name in ranked and t.supports(problem, self.device["cc"])),
                     key=lambda t: t.space.compile_s, default=None)
         if quick is None or any(c.template == quick.name for c in picks):
             return
-        for _, name, params in ordered:
+        for _, name, params in self._ordered(ranking.corrected(correction), penalty, True):
             if name == quick.name and fresh(name, params):
                 picks[-1] = Candidate.from_template(name, params)
                 return

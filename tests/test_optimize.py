@@ -113,13 +113,13 @@ def sm80_rankings() -> dict:
 
 @pytest.fixture(autouse=True)
 def sm80_ranked_once(sm80_rankings, monkeypatch):
-    """cost.rank of sm80_mma's space alone (what sm80_search ranks) computed once a module per
-    problem: a second or two of one core each, and most tests here search it."""
+    """cost.rank_values of sm80_mma's space alone (what sm80_search ranks) computed once a
+    module per problem: a second or two of one core each, and most tests here search it."""
     import cudal2.propose as propose
 
-    real = propose.rank
+    real = propose.rank_values
 
-    def rank(templates, problem, device):
+    def rank_values(templates, problem, device):
         if list(templates) != ["sm80_mma"]:
             return real(templates, problem, device)
         key = (problem, json.dumps(device, sort_keys=True))
@@ -127,7 +127,7 @@ def sm80_ranked_once(sm80_rankings, monkeypatch):
             sm80_rankings[key] = real(templates, problem, device)
         return list(sm80_rankings[key])
 
-    monkeypatch.setattr(propose, "rank", rank)
+    monkeypatch.setattr(propose, "rank_values", rank_values)
 
 
 def test_loop_measures_batches_records_rows_and_exports_the_best(tmp_path, compiler):
@@ -365,6 +365,48 @@ def test_first_batch_spans_the_models_distinct_predictions_nearest_the_defaults(
     for pick, price in zip(picks, prices):
         alike = [params for t, _, params in search.ranking(p) if round(math.log(t), 3) == price]
         assert distance(pick.param_dict) == min(map(distance, alike))
+
+
+def test_a_corrected_ranking_reads_in_the_order_sorting_all_of_it_gives():
+    # A batch reads a few hundred entries of a 320,000-entry ranking by corrected price;
+    # sorting every entry each batch cost seconds. The lazy merge must give sorted()'s order,
+    # ties in ranking order, whatever the correction does (here it lowers some entries 3x).
+    import random
+
+    from cudal2.propose import Correction, Ranking
+
+    template = get_template("sm80_mma")
+    keys = tuple(template.space.params)
+    configs = list(template.space.value_sets(90))[:3000]
+    rng = random.Random(5)
+    entries = sorted(((float(rng.randint(10, 400)), "sm80_mma", values) for values in configs), key=lambda e: e[0])
+    ranking = Ranking(entries, {"sm80_mma": template})
+    measured = [("sm80_mma", dict(zip(keys, values)), rng.choice([0.3, 0.5, 1.0, 2.0])) for values in configs[:40]]
+    correction = Correction(measured)
+    assert correction.lowest() <= min(correction(name, params) for _, name, params in ranking)
+    everything = sorted(((t * correction(name, params), name, params) for t, name, params in ranking),
+                        key=lambda e: e[0])
+    assert list(ranking.corrected(correction)) == everything
+
+
+def test_a_hopper_ranking_keeps_each_configuration_in_a_few_bytes():
+    # A ranking of every sm80_mma configuration keeps its value tuples (shared with the space),
+    # not a dictionary each: 170 MB a problem over the Hopper spaces as dictionaries.
+    import tracemalloc
+
+    # (gemv, which cannot run the problem, keeps this module's memo of sm80_mma rankings out)
+    search = SearchProposer(H200, templates={"sm80_mma": get_template("sm80_mma"), "gemv": get_template("gemv")})
+    p = Problem(1000, 2000, 3000)
+    search.ranking(Problem(10, 20, 30))  # the space's enumeration, shared by every problem
+    tracemalloc.start()
+    before = tracemalloc.get_traced_memory()[0]
+    ranking = search.ranking(p)
+    kept = tracemalloc.get_traced_memory()[0] - before
+    tracemalloc.stop()
+    assert len(ranking) > 50_000
+    assert kept / len(ranking) < 64, kept / len(ranking)
+    first = next(iter(ranking))
+    assert first[1] == "sm80_mma" and set(first[2]) == set(get_template("sm80_mma").space.params)
 
 
 def test_search_prefers_configurations_already_compiled():
