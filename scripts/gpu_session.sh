@@ -11,6 +11,9 @@
 #   scripts/gpu_session.sh ceiling -> what mma.sync can reach here: benchmarks/mma_sync_peak.cu, then
 #     CUTLASS 2.x's Ampere GEMM (examples/cutlass2_sm80_gemm_fp16_nn.cu, four tilings) beside
 #     the sm80_mma sweep grid at 4096^3, in one bench run
+#   scripts/gpu_session.sh grid-sample -> SAMPLE (100) fresh random grid shapes drawn with SEED (record it),
+#     tuned by cudal2 optimize --shapes --time-budget BUDGET (5), then scripts/grid_sample.py's report
+#     (screened per shape, wall time, best speedups by regime); run `cudal2 prebuild` first
 #   scripts/gpu_session.sh devset-optimize -> cudal2 optimize (search) on every row of DEVSET
 #     (DEVSET_ROWS='1,8p;19p' picks data rows as a sed -n script; OPTIMIZE="..." sets its options)
 # Logs, JSON and a tarball of the results directory go to ${OUT:-gpu-run}/.
@@ -61,6 +64,14 @@ for stage in "$@"; do
           ${OPTIMIZE:---iterations 2 --batch 8 --patience 1 --budget 0.2} --results "$results" --json \
           | oneline
       done 2>&1 | tee -a "$out/devset-optimize.jsonl" ;;
+    grid-sample)
+      python3 scripts/grid_sample.py draw --count "${SAMPLE:-100}" --seed "${SEED:?SEED: a seed never used before}" \
+        --results "$results" > "$out/grid-sample.csv"
+      start=$(date +%s)
+      cudal2 optimize --shapes "$out/grid-sample.csv" --time-budget "${BUDGET:-5}" --results "$results" --json \
+        > "$out/grid-sample.json"
+      echo "seed $SEED, budget ${BUDGET:-5} s: $(( $(date +%s) - start )) s wall" | tee "$out/grid-sample.md"
+      python3 scripts/grid_sample.py report "$out/grid-sample.json" | tee -a "$out/grid-sample.md" ;;
     ceiling)
       nvcc -O3 -arch=sm_90a -o /tmp/mma_peak benchmarks/mma_sync_peak.cu && /tmp/mma_peak | tee "$out/mma-peak.txt"
       refs=()  # CUTLASS 2.x tilings: block M N K, warp M N, stages

@@ -1,0 +1,104 @@
+"""Fresh random shapes of the 1,000-shape grid (M, N, K each one of 64 ... 16384, fp16 nn: the
+grid CUDA-L2 tunes), and what a tuning run over them did.
+
+    python3 scripts/grid_sample.py draw --count 100 --seed S [--results DIR] > shapes.csv
+    cudal2 optimize --shapes shapes.csv --time-budget 5 --json > run.json
+    python3 scripts/grid_sample.py report run.json
+
+`draw` leaves out every shape measured before: the project's test shape sets, the shipped
+measurements and, with --results, that leaderboard's problems; the same seed draws the same
+shapes. `report` prints, per shape and over the set, the candidates screened and measured,
+the time to the first verified kernel, the wall time and the best speedup (by regime too).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import random
+import statistics
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from cudal2.leaderboard import Leaderboard, shipped  # noqa: E402
+from cudal2.problem import Problem  # noqa: E402
+from cudal2.roofline import REGIMES, regime  # noqa: E402
+from cudal2.shapes import read_shapes  # noqa: E402
+from cudal2.tables import speedup_summary  # noqa: E402
+
+GRID = (64, 128, 256, 512, 1024, 2048, 4096, 8192, 12288, 16384)
+
+
+def measured_before(results: Path | None) -> set[tuple[int, int, int, str, str]]:
+    """The problems of the test shape sets, the shipped measurements and `results`."""
+    seen = {(p.m, p.n, p.k, p.dtype, p.layout) for csv in sorted((ROOT / "tests" / "shapes").glob("*.csv"))
+            for p in read_shapes(csv)}
+    # Every protocol's rows: a shape measured by an earlier protocol was measured all the same.
+    for rows in [shipped(None)] + ([Leaderboard(results).read(None)] if results else []):
+        if not rows.empty:
+            seen |= set(rows[["m", "n", "k", "dtype", "layout"]].itertuples(index=False, name=None))
+    return seen
+
+
+def draw(count: int, seed: int, results: Path | None) -> list[Problem]:
+    seen = measured_before(results)
+    fresh = [(m, n, k) for m in GRID for n in GRID for k in GRID if (m, n, k, "fp16", "nn") not in seen]
+    if count > len(fresh):
+        raise SystemExit(f"only {len(fresh)} grid shapes were never measured; asked for {count}")
+    return [Problem(m, n, k) for m, n, k in random.Random(seed).sample(fresh, count)]
+
+
+def report(run: dict) -> str:
+    shapes = run["shapes"]
+    lines = ["| shape | regime | screened | measured | first verified s | wall s | best speedup |", "|---|---|---|---|---|---|---|"]
+    by_regime: dict[str, list[float]] = {}
+    for s in shapes:
+        p = Problem(**s["problem"])
+        best = (s.get("best") or {}).get("speedup_offline")
+        measured = sum(count for status, count in (s.get("statuses") or {}).items() if status != "screened")
+        lines.append(f"| {p} | {regime(p)} | {s.get('screened', 0)} | {measured} | {s.get('first_verified_s')} | "
+                     f"{s['wall_s']:.1f} | {'-' if best is None else f'{best:.3f}'} |")
+        if best:
+            by_regime.setdefault(regime(p), []).append(best)
+    screened = sorted(s.get("screened", 0) for s in shapes)
+    walls = [s["wall_s"] for s in shapes]
+    all_best = [v for values in by_regime.values() for v in values]
+    lines += ["", f"{len(shapes)} shapes in {sum(walls) / 60:.1f} min of tuning (mean {statistics.mean(walls):.1f} s a shape); "
+              f"{len(shapes) - len(all_best)} ended without a measured kernel.",
+              f"screened per shape: min {screened[0]}, median {statistics.median(screened):g}, max {screened[-1]}; "
+              f"{sum(v >= 64 for v in screened)} of {len(shapes)} reached 64."]
+    summary = speedup_summary(all_best)
+    if all_best:
+        lines.append(f"best speedup: geomean {summary['geomean_speedup']:.3f}, min {summary['min_speedup']:.3f}, "
+                     f"{summary['wins']} wins, {summary['ties']} ties, {summary['losses']} losses")
+    for name in REGIMES:
+        if by_regime.get(name):
+            values = by_regime[name]
+            lines.append(f"  {name}: {len(values)} shapes, geomean {math.exp(statistics.mean(map(math.log, values))):.3f}")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+    d = sub.add_parser("draw", help="print COUNT fresh grid shapes as a shape-set CSV")
+    d.add_argument("--count", type=int, default=100)
+    d.add_argument("--seed", type=int, required=True, help="record it: the same seed draws the same shapes")
+    d.add_argument("--results", type=Path, help="also leave out this results directory's problems")
+    r = sub.add_parser("report", help="summarise `cudal2 optimize --shapes ... --json` output")
+    r.add_argument("run", type=Path)
+    args = parser.parse_args(argv)
+    if args.command == "draw":
+        print("m,n,k,dtype,layout")
+        for p in draw(args.count, args.seed, args.results):
+            print(f"{p.m},{p.n},{p.k},{p.dtype},{p.layout}")
+    else:
+        print(report(json.loads(args.run.read_text())))
+
+
+if __name__ == "__main__":
+    main()

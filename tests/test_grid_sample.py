@@ -1,0 +1,38 @@
+"""scripts/grid_sample.py: the fresh random grid shapes a tuning-speed run is judged on, and
+its report of what the run did per shape and over the set."""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+spec = importlib.util.spec_from_file_location("grid_sample", ROOT / "scripts" / "grid_sample.py")
+grid_sample = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(grid_sample)
+
+
+def test_a_draw_is_fresh_grid_shapes_the_same_for_the_same_seed():
+    shapes = grid_sample.draw(40, seed=7, results=None)
+    seen = grid_sample.measured_before(None)
+    assert len(seen) > 100  # the shipped measurements and the test shape sets
+    keys = [(p.m, p.n, p.k, p.dtype, p.layout) for p in shapes]
+    assert len(set(keys)) == 40 and not set(keys) & seen
+    assert all(v in grid_sample.GRID for p in shapes for v in (p.m, p.n, p.k))
+    assert grid_sample.draw(40, seed=7, results=None) == shapes
+    assert grid_sample.draw(40, seed=8, results=None) != shapes
+
+
+def test_the_report_gives_the_screened_distribution_and_the_shapes_left_without_a_kernel():
+    def shape(m, n, k, screened, wall, best):
+        return {"problem": {"m": m, "n": n, "k": k, "dtype": "fp16", "layout": "nn"}, "screened": screened,
+                "statuses": {"screened": screened, "ok": 2}, "first_verified_s": 1.5, "wall_s": wall,
+                "best": {"speedup_offline": best} if best else None}
+
+    run = {"shapes": [shape(4096, 4096, 64, 70, 6.0, 1.2), shape(64, 64, 16384, 10, 5.0, 0.9),
+                      shape(2048, 2048, 2048, 0, 4.0, None)]}
+    text = grid_sample.report(run)
+    assert "| 4096x4096x64 fp16 nn | short-K | 70 | 2 | 1.5 | 6.0 | 1.200 |" in text
+    assert "3 shapes in 0.2 min" in text and "1 ended without a measured kernel" in text
+    assert "screened per shape: min 0, median 10, max 70; 1 of 3 reached 64" in text
+    assert "geomean 1.039" in text and "1 wins, 0 ties, 1 losses" in text
