@@ -101,6 +101,27 @@ def test_each_gpu_worker_s_shape_has_its_own_line():
     assert any(l.startswith("[2/2] 64x64x1000 fp16 nn: best 0.800x k2-1; 4 measured") for l in lines)
 
 
+def test_screened_kernels_are_counted_apart_from_those_measured_by_the_full_protocol(capsys):
+    # A budget run screens eight candidates for each it measures in full: "9 measured" would
+    # say nine claims where there is one.
+    from cudal2.protocol import SCREEN_PROTOCOL
+
+    screen, out = terminal()
+    p = Problem(256, 256, 256)
+    screened = [{"kernel": f"s{i}", "status": "screened", "protocol": SCREEN_PROTOCOL, "speedup_graph": 1.0 + i / 10}
+                for i in range(7)] + [{"kernel": "bad", "status": "wrong", "protocol": SCREEN_PROTOCOL, "error": "max error"}]
+    with progress.progress_display(False, 1, 3, screen=screen) as view:
+        view("shape", {"index": 1, "of": 1, "problem": p, "worker": 0})
+        for r in screened:
+            view("measured", {"row": r, "speedup": None, "best_speedup": 0.0})
+        view("measured", {"row": row("s6"), "speedup": 1.5, "best_speedup": 1.5})
+        view.live.refresh()
+        [line] = [l for l in seen(out).splitlines() if l.startswith("[1/1] 256x256x256")]
+        assert "8 screened (7 passed), 1 measured (1 ok)" in line and "best 1.500x" in line
+    progress.plain_progress("measured", {"row": screened[6], "speedup": None, "best_speedup": 0.0})
+    assert "screened      1.600 (graph) s6" in capsys.readouterr().out
+
+
 def test_a_pipe_gets_plain_lines_and_json_gets_nothing():
     screen, out = terminal()
     with progress.progress_display(True, 1, 1, screen=screen) as view:

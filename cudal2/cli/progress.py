@@ -18,6 +18,7 @@ from rich.live import Live
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from ..optimize import Event
+from ..protocol import SCREEN_PROTOCOL, SCREENED
 from ..tables import console, fmt
 
 
@@ -31,7 +32,9 @@ class ShapeLine:
     iterations: int
     began: float = field(default_factory=time.monotonic)
     baseline: str = ""
-    measured: int = 0
+    screened: int = 0  # through the screening pass (its rejections included)
+    passed: int = 0  # of those, passed it
+    measured: int = 0  # through the full protocol
     ok: int = 0
     best: float = 0.0
     best_kernel: str = ""
@@ -49,6 +52,10 @@ class ShapeLine:
                 f", batch {i + 1} compiling" if i < self.iterations else "")
         elif kind == "measured":
             row = info["row"]
+            if row.get("protocol") == SCREEN_PROTOCOL:
+                self.screened += 1
+                self.passed += row["status"] == SCREENED
+                return
             self.measured += 1
             self.ok += row["status"] == "ok"
             if row["status"] == "ok" and info.get("speedup") is not None and info["speedup"] >= info["best_speedup"]:
@@ -65,6 +72,8 @@ class ShapeLine:
         if final:
             best = f"best {self.best:.3f}x {self.best_kernel}" if self.best else "no verified kernel"
         counts = f"{self.measured} measured ({self.ok} ok)"
+        if self.screened:
+            counts = f"{self.screened} screened ({self.passed} passed), {counts}"
         if final:
             return f"{head}: {best}; {counts}; {time.monotonic() - self.began:.0f} s"
         return f"{head}  {best}  {counts}  {self.doing}  (baseline {self.baseline or '-'})"
@@ -124,7 +133,12 @@ def plain_progress(kind: str, info: dict[str, Any]) -> None:
         print(f"batch {info['iteration']}: {info['candidates']} to measure, {info['invalid']} invalid", flush=True)
     elif kind == "measured":
         row = info["row"]
-        detail = fmt(info["speedup"], 3) if row["status"] == "ok" else ((row.get("error") or "").strip().splitlines() or [""])[0][:100]
+        if row["status"] == SCREENED:  # no claim: the screening session's graph ratio, which only ranks the batch
+            detail = f"{fmt(row.get('speedup_graph'), 3)} (graph)"
+        elif row["status"] == "ok":
+            detail = fmt(info["speedup"], 3)
+        else:
+            detail = ((row.get("error") or "").strip().splitlines() or [""])[0][:100]
         print(f"  {row['status']:<13} {detail:<12} {row['kernel']}  (best {info['best_speedup']:.3f}x)", flush=True)
     elif kind == "failed":
         print(f"[{info['index']}] {info['problem']} failed: {info['error']}", flush=True)
