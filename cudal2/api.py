@@ -133,12 +133,14 @@ def optimize(problems: list[Problem] | Problem, *, proposer: str = "search", ite
              llm_settings=None, replay: Path | None = None, template: str | None = None,
              grid: dict[str, list[str]] | None = None, mode: str = "offline", remeasure: bool = False,
              settings: Settings | None = None, gpus: list[int] | None = None, workers: list | None = None,
-             on_event: Event | None = None) -> list[TuneResult]:
+             on_event: Event | None = None, screen: int | None = None) -> list[TuneResult]:
     """Tunes every problem, each warm-started from the leaderboard (the shapes tuned before
     it included): `proposer` search | llm | hybrid (`llm_settings`, or `replay`: a directory
     of saved replies standing in for the endpoint). One GPU worker per device of `gpus`
     (default: settings.device), each taking the next untuned shape; all share the compile
-    cache and the cores nvcc runs on. `workers` stands in for the GPU workers (tests)."""
+    cache and the cores nvcc runs on. `workers` stands in for the GPU workers (tests).
+    `screen`: successive halving's eta (Budget.screen); by default SCREEN under a time budget
+    with the search proposer, else 1 (every candidate through the full protocol)."""
     problems = [problems] if isinstance(problems, Problem) else list(problems)
     settings = settings or load_settings()
     _check_search(proposer, template, grid, replay)
@@ -151,13 +153,21 @@ def optimize(problems: list[Problem] | Problem, *, proposer: str = "search", ite
     board.read()  # an unreadable leaderboard fails before any measurement
     with contextlib.ExitStack() as stack:
         gpu_workers = workers or [stack.enter_context(Worker(d)) for d in (gpus or [settings.device])]
-        # Under a time budget the search screens batch x SCREEN candidates a batch and confirms
-        # the best `batch` (successive halving: cudal2/optimize.py, docs/method.md).
-        screen = SCREEN if time_budget is not None and proposer == "search" else 1
-        tuner = Tuner(settings, gpu_workers, search, Budget(iterations, batch, time_budget, patience, screen),
+        tuner = Tuner(settings, gpu_workers, search,
+                      Budget(iterations, batch, time_budget, patience, screen_eta(screen, time_budget, proposer)),
                       mode=mode, remeasure=remeasure, leaderboard=board)
         outcomes = tuner.run(problems, on_event)
     return [TuneResult(p, tuner.environment, tuner.run_id, o, tuner.llm_tokens) for p, o in zip(problems, outcomes)]
+
+
+def screen_eta(screen: int | None, time_budget: float | None, proposer: str) -> int:
+    """Successive halving's eta for a run (Budget.screen): `screen` where given; else, under a
+    time budget, the search screens batch x SCREEN candidates a batch and confirms the best
+    `batch` (cudal2/optimize.py, docs/method.md); else (and for an LLM, whose proposals cost
+    tokens) every candidate goes through the full protocol."""
+    if screen is not None:
+        return screen
+    return SCREEN if time_budget is not None and proposer == "search" else 1
 
 
 def _check_search(proposer: str, template: str | None, grid: dict | None, replay: Path | None) -> None:

@@ -69,6 +69,7 @@ def one_line_error(result, text):
     (("compile", "--template", "sm80_mma"), "compile needs --arch"),
     (("compile", "--template", "sm80_mma", "--arch", "gfx90a"), "unknown architecture 'gfx90a'"),
     (("compile", "--kernel", "/no/such/file.cu", "--arch", "sm_90a"), "cannot read kernel file"),
+    (("optimize", "--m", "8", "--n", "8", "--k", "8", "--screen", "0"), "--screen must be >= 1, got 0"),
     (("leaderboard", "--format", "xml"), "unknown format 'xml'"),
     (("leaderboard", "--status", "great"), "unknown status 'great'"),
 ])

@@ -927,6 +927,15 @@ def test_the_python_api_tunes_a_shape_set_end_to_end(tmp_path, cache_dir):
         cudal2.bench(shapes[0], template="nope", settings=settings, worker=StandInWorker())
 
 
+def test_screening_is_on_under_a_budget_for_the_search_off_otherwise_and_screen_says_so_anywhere():
+    from cudal2.api import screen_eta
+    from cudal2.optimize import SCREEN
+
+    assert screen_eta(None, 5.0, "search") == SCREEN and screen_eta(None, None, "search") == 1
+    assert screen_eta(None, 5.0, "llm") == 1 and screen_eta(None, 5.0, "hybrid") == 1
+    assert screen_eta(4, None, "search") == 4 and screen_eta(2, 5.0, "llm") == 2 and screen_eta(1, 5.0, "search") == 1
+
+
 class FailingOn(StandInWorker):
     """A stand-in whose GPU work fails for one problem (an allocation failing, say)."""
 

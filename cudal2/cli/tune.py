@@ -90,6 +90,10 @@ def optimize(
     batch: Annotated[int, typer.Option(help="candidates per batch")] = 8,
     time_budget: Annotated[Optional[float], typer.Option(help="wall-clock seconds for each shape")] = None,
     patience: Annotated[Optional[int], typer.Option(help="stop after this many batches without a better kernel")] = 3,
+    screen: Annotated[Optional[int], typer.Option(
+        help="screen N x --batch candidates a batch (verified in full, timed briefly) and measure the best "
+             "--batch of them by the full protocol (default: 8 under --time-budget with the search proposer, else 1: "
+             "every candidate in full)")] = None,
     seed: Annotated[int, typer.Option(help="seed of the search proposer")] = 0,
     llm_model: Annotated[Optional[str], typer.Option(help="LLM model name (llm, hybrid)")] = None,
     base_url: Annotated[Optional[str], typer.Option(help="OpenAI-compatible endpoint (llm, hybrid)")] = None,
@@ -123,7 +127,7 @@ def optimize(
         raise Cudal2Error(f"unknown mode {mode!r}; choose offline or server")
     if proposer not in ("search", "llm", "hybrid"):
         raise Cudal2Error(f"unknown proposer {proposer!r}; choose search, llm or hybrid")
-    for name, value in (("iterations", iterations), ("batch", batch), ("patience", patience)):
+    for name, value in (("iterations", iterations), ("batch", batch), ("patience", patience), ("screen", screen)):
         if value is not None and value < 1:
             raise Cudal2Error(f"--{name} must be >= 1, got {value}")
     if time_budget is not None and time_budget <= 0:
@@ -138,7 +142,7 @@ def optimize(
                               "--template and --param")
         _tune_on_cluster(problems, cluster, settings, {
             "iterations": iterations, "batch": batch, "time_budget": time_budget, "patience": patience,
-            "seed": seed, "mode": mode, "remeasure": remeasure})
+            "seed": seed, "mode": mode, "remeasure": remeasure, "screen": screen})
         return
     devices = gpu_indices(gpus)
     llm_settings = None
@@ -148,7 +152,7 @@ def optimize(
         tuned = api.optimize(problems, proposer=proposer, iterations=iterations, batch=batch, time_budget=time_budget,
                              patience=patience, seed=seed, llm_settings=llm_settings, replay=replay,
                              template=template, grid=grid, mode=mode, remeasure=remeasure,
-                             settings=settings, gpus=devices, on_event=on_event)
+                             settings=settings, gpus=devices, on_event=on_event, screen=screen)
     _print_tuned(tuned, mode, json_out, one_shape=shapes is None and model is None)
 
 
