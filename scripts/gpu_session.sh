@@ -8,7 +8,8 @@
 #   scripts/gpu_session.sh protocol-probe -> scripts/protocol_probe.py on dev rows ROWS (0-based, 0,1,2,3,4,5;
 #     PROBE_ARGS="--graphs" for the graph method behind every neighbour, or "--leads 2,8")
 #   scripts/gpu_session.sh winners -> examples/hf_llama.py (LAYERS, 2): its GEMMs tuned (ITERATIONS, 1), exported, patched in
-#   scripts/gpu_session.sh ceiling -> what mma.sync can reach here: benchmarks/mma_sync_peak.cu, then
+#   scripts/gpu_session.sh ceiling -> what mma.sync can reach here: benchmarks/mma_sync_peak.cu, the memory
+#     system's write, read and copy rates by working-set size (benchmarks/l2_bandwidth.cu), then
 #     CUTLASS 2.x's Ampere GEMM (examples/cutlass2_sm80_gemm_fp16_nn.cu, four tilings) beside
 #     the sm80_mma sweep grid at 4096^3, in one bench run
 #   scripts/gpu_session.sh grid-sample -> SAMPLE (100) fresh random grid shapes drawn with SEED (record it),
@@ -74,6 +75,7 @@ for stage in "$@"; do
       python3 scripts/grid_sample.py report "$out/grid-sample.json" | tee -a "$out/grid-sample.md" ;;
     ceiling)
       nvcc -O3 -arch=sm_90a -o /tmp/mma_peak benchmarks/mma_sync_peak.cu && /tmp/mma_peak | tee "$out/mma-peak.txt"
+      nvcc -O3 -arch=sm_90a -o /tmp/l2_bandwidth benchmarks/l2_bandwidth.cu && /tmp/l2_bandwidth | tee "$out/l2-bandwidth.txt"
       refs=()  # CUTLASS 2.x tilings: block M N K, warp M N, stages
       for v in "128 256 32 64 64 3" "256 128 32 64 64 3" "128 128 32 64 64 4" "128 256 64 64 64 3"; do
         set -- $v
