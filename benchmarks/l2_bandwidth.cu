@@ -58,7 +58,7 @@ int main() {
   std::printf("%8s %10s %10s %10s\n", "MB", "write", "read", "copy");
   for (size_t mb : sizes_mb) {
     const size_t bytes = mb << 20, n = bytes / sizeof(uint4);
-    const int reps = mb <= 64 ? 200 : 20;
+    const int reps = mb <= 64 ? 200 : mb <= 128 ? 20 : 4;
     float ms[3] = {};
     for (int kind = 0; kind < 3; ++kind) {
       for (int warm = 0; warm < 3; ++warm) {
