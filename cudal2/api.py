@@ -128,7 +128,7 @@ def bench(problem: Problem, *, kernels: list[Candidate] | None = None, template:
     return BenchResult(problem, env, rows)
 
 
-def optimize(problems: list[Problem] | Problem, *, proposer: str = "search", iterations: int = 10,
+def optimize(problems: list[Problem] | Problem, *, proposer: str = "search", iterations: int | None = None,
              batch: int = 8, time_budget: float | None = None, patience: int | None = 3, seed: int = 0,
              llm_settings=None, replay: Path | None = None, template: str | None = None,
              grid: dict[str, list[str]] | None = None, mode: str = "offline", remeasure: bool = False,
@@ -140,7 +140,8 @@ def optimize(problems: list[Problem] | Problem, *, proposer: str = "search", ite
     (default: settings.device), each taking the next untuned shape; all share the compile
     cache and the cores nvcc runs on. `workers` stands in for the GPU workers (tests).
     `screen`: successive halving's eta (Budget.screen); by default SCREEN under a time budget
-    with the search proposer, else 1 (every candidate through the full protocol)."""
+    with the search proposer, else 1 (every candidate through the full protocol).
+    `iterations`: batches per shape; by default 10, or as many as `time_budget` allows."""
     problems = [problems] if isinstance(problems, Problem) else list(problems)
     settings = settings or load_settings()
     _check_search(proposer, template, grid, replay)
@@ -154,10 +155,23 @@ def optimize(problems: list[Problem] | Problem, *, proposer: str = "search", ite
     with contextlib.ExitStack() as stack:
         gpu_workers = workers or [stack.enter_context(Worker(d)) for d in (gpus or [settings.device])]
         tuner = Tuner(settings, gpu_workers, search,
-                      Budget(iterations, batch, time_budget, patience, screen_eta(screen, time_budget, proposer)),
+                      Budget(batches(iterations, time_budget), batch, time_budget, patience,
+                             screen_eta(screen, time_budget, proposer)),
                       mode=mode, remeasure=remeasure, leaderboard=board)
         outcomes = tuner.run(problems, on_event)
     return [TuneResult(p, tuner.environment, tuner.run_id, o, tuner.llm_tokens) for p, o in zip(problems, outcomes)]
+
+
+# Batches a time-budgeted run may propose when --iterations is not given: the budget bounds it.
+UNBOUNDED_BATCHES = 1_000_000
+
+
+def batches(iterations: int | None, time_budget: float | None) -> int:
+    """Batches per shape: `iterations` where given; else as many as a time budget allows (a
+    user who gives 60 s expects them used, not 10 batches' worth), or 10 without one."""
+    if iterations is not None:
+        return iterations
+    return UNBOUNDED_BATCHES if time_budget is not None else 10
 
 
 def screen_eta(screen: int | None, time_budget: float | None, proposer: str) -> int:

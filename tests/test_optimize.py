@@ -927,6 +927,13 @@ def test_the_python_api_tunes_a_shape_set_end_to_end(tmp_path, cache_dir):
         cudal2.bench(shapes[0], template="nope", settings=settings, worker=StandInWorker())
 
 
+def test_a_time_budget_bounds_the_batches_unless_iterations_are_given():
+    from cudal2.api import UNBOUNDED_BATCHES, batches
+
+    assert batches(None, None) == 10 and batches(None, 60.0) == UNBOUNDED_BATCHES
+    assert batches(3, 60.0) == 3 and batches(3, None) == 3
+
+
 def test_screening_is_on_under_a_budget_for_the_search_off_otherwise_and_screen_says_so_anywhere():
     from cudal2.api import screen_eta
     from cudal2.optimize import SCREEN

@@ -86,7 +86,8 @@ def optimize(
     model: ModelOpt = None,
     tokens: TokensOpt = None,
     proposer: Annotated[str, typer.Option(help="search (cost model + local search) | llm | hybrid")] = "search",
-    iterations: Annotated[int, typer.Option(help="batches to propose")] = 10,
+    iterations: Annotated[Optional[int], typer.Option(
+        help="batches to propose per shape (default: 10; under --time-budget, as many as it allows)")] = None,
     batch: Annotated[int, typer.Option(help="candidates per batch")] = 8,
     time_budget: Annotated[Optional[float], typer.Option(help="wall-clock seconds for each shape")] = None,
     patience: Annotated[Optional[int], typer.Option(help="stop after this many batches without a better kernel")] = 3,
@@ -148,7 +149,7 @@ def optimize(
     llm_settings = None
     if proposer != "search":
         llm_settings = load_llm_settings({"model": llm_model, "base_url": base_url})
-    with progress_display(json_out, len(problems), iterations) as on_event:
+    with progress_display(json_out, len(problems), api.batches(iterations, time_budget)) as on_event:
         tuned = api.optimize(problems, proposer=proposer, iterations=iterations, batch=batch, time_budget=time_budget,
                              patience=patience, seed=seed, llm_settings=llm_settings, replay=replay,
                              template=template, grid=grid, mode=mode, remeasure=remeasure,
