@@ -104,18 +104,15 @@ class Correction:
         """A factor no configuration's is below: per template its base with each parameter's
         most negative effect (none where that lowers nothing), and 1 for the templates
         never measured."""
-        low = {name: base for name, base in self.base.items()}
-        for key in {(name, k) for name, k, _ in self.effect}:
-            low[key[0]] += min(0.0, *(e for (name, k, _), e in self.effect.items() if (name, k) == key))
+        worst: dict[tuple[str, str], float] = {}  # per (template, parameter): its most negative effect, or 0
+        for (name, key, _), effect in self.effect.items():
+            worst[(name, key)] = min(worst.get((name, key), 0.0), effect)
+        low = dict(self.base)
+        for (name, _), effect in worst.items():
+            low[name] += effect
         # Lowered by a part in 10^9: the factors' own sums, added in another order, may round
         # a unit below this one's.
         return min([1.0, *map(math.exp, low.values())]) * (1 - 1e-9)
-
-
-def _values_of(names: tuple[str, ...]):
-    """A function giving a configuration's values of `names`, in that order, as a tuple."""
-    getter = operator.itemgetter(*names)
-    return getter if len(names) > 1 else (lambda params: (getter(params),))
 
 
 class Ranking:
