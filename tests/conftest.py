@@ -169,6 +169,29 @@ def fenced(tag: str, body: str) -> str:
     return f"```{tag}\n{body}\n```"
 
 
+def verifier_failures(kernel, shapes, dtype: str, layout: str, seed: int) -> list[str]:
+    """The verifier's verdict on `kernel` at each of `shapes` (M, N, K), against cuBLAS: one
+    line per shape it does not accept."""
+    import random
+
+    import cupy
+
+    from cudal2.baselines import cublas_gemm
+    from cudal2.problem import Problem
+    from cudal2.verify import verify
+
+    rng = random.Random(seed)
+    stream = cupy.cuda.Stream(non_blocking=True)
+    failures = []
+    with stream:
+        for m, n, k in shapes:
+            problem = Problem(m, n, k, dtype, layout)
+            verdict = verify(kernel, problem, stream, cublas_gemm(problem, stream), rng)
+            if verdict.status != "ok":
+                failures.append(f"{problem}: {verdict.status} {verdict.reason}")
+    return failures
+
+
 def split_k_reset_failures(kernel, seed: int) -> list[str]:
     """What goes wrong with a split-K kernel whose clusters meet through arrival counters in
     its static memory (bf16 nt): calls queued without a sync, each on new inputs; two calls on

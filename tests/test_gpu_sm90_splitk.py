@@ -12,12 +12,11 @@ import random
 
 import pytest
 
-from cudal2.baselines import cublas_gemm
 from cudal2.problem import Problem
 from cudal2.render import render, template_candidate
-from cudal2.verify import Kernel, Numerics, Operands, verify
+from cudal2.verify import Kernel, Numerics, Operands
 
-from conftest import gpu_cc, split_k_reset_failures
+from conftest import gpu_cc, split_k_reset_failures, verifier_failures
 
 pytestmark = pytest.mark.gpu
 
@@ -45,17 +44,8 @@ CASES = [("64x64", SMALL, *v) for v in VARIANTS] + [("128x128", LARGE, *v) for v
 
 @pytest.mark.parametrize("params, dtype, layout", [case[1:] for case in CASES], ids=["-".join(c[::2] + c[3:]) for c in CASES])
 def test_gmma_split_k_passes_the_verifier_on_few_tile_long_k_shapes(compiler, params, dtype, layout):
-    import cupy
-
-    kernel, rng = build(compiler, params, dtype, layout), random.Random(7)
-    stream = cupy.cuda.Stream(non_blocking=True)
-    failures = []
-    with stream:
-        for m, n, k in SHAPES:
-            problem = Problem(m, n, k, dtype, layout)
-            verdict = verify(kernel, problem, stream, cublas_gemm(problem, stream), rng)
-            if verdict.status != "ok":
-                failures.append(f"{problem}: {verdict.status} {verdict.reason}")
+    kernel = build(compiler, params, dtype, layout)
+    failures = verifier_failures(kernel, SHAPES, dtype, layout, seed=7)
     assert not failures, "\n".join(failures)
     # The split fills the GPU: one tile of a long K takes as many clusters of 8 as run at once,
     # at most 16 (128 of the 132 SMs): all 16 where CTAs share SMs (64x64), at least 8 where

@@ -7,16 +7,13 @@ and calls of other shapes. Run with `pytest -m gpu`."""
 
 from __future__ import annotations
 
-import random
-
 import pytest
 
-from cudal2.baselines import cublas_gemm
 from cudal2.problem import Problem
 from cudal2.render import render, template_candidate
-from cudal2.verify import Kernel, verify
+from cudal2.verify import Kernel
 
-from conftest import gpu_cc, split_k_reset_failures
+from conftest import gpu_cc, split_k_reset_failures, verifier_failures
 
 pytestmark = pytest.mark.gpu
 
@@ -46,17 +43,8 @@ CASES = [("8x16", WIDE, *v) for v in VARIANTS] + [("1x4", NO_CLUSTER, *v) for v 
 
 @pytest.mark.parametrize("params, dtype, layout", [case[1:] for case in CASES], ids=["-".join(c[::2] + c[3:]) for c in CASES])
 def test_wide_split_k_passes_the_verifier_on_few_tile_long_k_shapes(compiler, params, dtype, layout):
-    import cupy
-
-    kernel, rng = build(compiler, params, dtype, layout), random.Random(5)
-    stream = cupy.cuda.Stream(non_blocking=True)
-    failures = []
-    with stream:
-        for m, n, k in SHAPES:
-            problem = Problem(m, n, k, dtype, layout)
-            verdict = verify(kernel, problem, stream, cublas_gemm(problem, stream), rng)
-            if verdict.status != "ok":
-                failures.append(f"{problem}: {verdict.status} {verdict.reason}")
+    kernel = build(compiler, params, dtype, layout)
+    failures = verifier_failures(kernel, SHAPES, dtype, layout, seed=5)
     assert not failures, "\n".join(failures)
     # The split is real: a long K on one tile asks for the partial tiles of 16 (4) clusters.
     assert kernel.workspace_bytes(64, 64, 16384) == int(params["k_clusters"]) * 64 * 64 * 4
