@@ -81,6 +81,76 @@ class Rejected(Exception):
 # of these (relative to the largest |C|) of the exact product.
 UNIT_ROUNDOFF = {"fp16": 2.0**-11, "bf16": 2.0**-8}
 GUARD = 1 << 16  # bytes of guard band before and after every buffer
+ALIGN = 512  # every buffer starts on this many bytes, as an allocation of its own would
+
+# The checks of one call, each a reduction on the device into a few 32-bit slots, read back
+# together with one synchronisation (a verification makes a dozen checked calls; one read
+# per check, not one per reduction, is most of its host time).
+_CHECKS_SOURCE = r"""
+__device__ __forceinline__ float fp16_value(unsigned short x) {
+  float f; asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(x)); return f;
+}
+__device__ __forceinline__ float bf16_value(unsigned short x) { return __uint_as_float(((unsigned int)x) << 16); }
+
+// Over the output C (16-bit) against the fp32 reference: slot 0 the largest |C - ref| over
+// the finite outputs (as float bits: non-negative floats order as integers), slot 1 the count
+// of outputs that are not finite, slot 2 the largest |ref|.
+template <bool kBf16>
+__device__ void errors(const unsigned short* c, const float* ref, long long n, unsigned int* slots) {
+  float err = 0.f, big = 0.f;
+  unsigned int bad = 0;
+  for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < n; i += (long long)gridDim.x * blockDim.x) {
+    float x = kBf16 ? bf16_value(c[i]) : fp16_value(c[i]), r = ref[i];
+    if (isfinite(x)) err = fmaxf(err, fabsf(x - r)); else bad++;
+    big = fmaxf(big, fabsf(r));
+  }
+  for (int o = 16; o; o >>= 1) {
+    err = fmaxf(err, __shfl_xor_sync(0xffffffffu, err, o));
+    big = fmaxf(big, __shfl_xor_sync(0xffffffffu, big, o));
+    bad += __shfl_xor_sync(0xffffffffu, bad, o);
+  }
+  if ((threadIdx.x & 31) == 0) {
+    atomicMax(slots, __float_as_uint(err));
+    if (bad) atomicAdd(slots + 1, bad);
+    atomicMax(slots + 2, __float_as_uint(big));
+  }
+}
+extern "C" __global__ void cudal2_errors_fp16(const unsigned short* c, const float* ref, long long n, unsigned int* slots) {
+  errors<false>(c, ref, n, slots);
+}
+extern "C" __global__ void cudal2_errors_bf16(const unsigned short* c, const float* ref, long long n, unsigned int* slots) {
+  errors<true>(c, ref, n, slots);
+}
+
+// Over one allocation of guard bands and buffers, compared with its snapshot a 32-bit word at
+// a time and, where a word changed, a byte at a time: slot 0 is set where a byte outside the
+// inputs and the writable ranges (C, the workspace) changed, slot 1 where a byte of an input
+// (A, B) changed.
+__device__ __forceinline__ bool within(long long at, const long long* range) { return at >= range[0] && at < range[1]; }
+extern "C" __global__ void cudal2_changes(const unsigned int* now, const unsigned int* was, long long words,
+                                          const long long* ranges, unsigned int* slots) {
+  // ranges: A, B (inputs) then C, the workspace (writable), each [begin, end) in bytes
+  for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < words; i += (long long)gridDim.x * blockDim.x) {
+    unsigned int changed = now[i] ^ was[i];
+    for (int b = 0; changed && b < 4; ++b, changed >>= 8) {
+      long long at = i * 4 + b;
+      if (!(changed & 0xffu) || within(at, ranges + 4) || within(at, ranges + 6)) continue;
+      slots[within(at, ranges) || within(at, ranges + 2) ? 1 : 0] = 1;
+    }
+  }
+}
+"""
+_CHECK_BLOCKS, _CHECK_THREADS = 1024, 256
+
+
+def _checks_module(cupy):
+    global _MODULE
+    if _MODULE is None:
+        _MODULE = cupy.RawModule(code=_CHECKS_SOURCE, options=("--std=c++17",))
+    return _MODULE
+
+
+_MODULE = None
 
 
 class Kernel:
@@ -181,6 +251,18 @@ class Numerics:
     def f32(self, x):
         return x.astype(self.cp.float32) if self.dtype == "fp16" else self._from_bf16(x)
 
+    def errors(self, c, ref, slots) -> None:
+        """Queues the reduction of C (this type) against the fp32 `ref` into three zeroed
+        uint32 `slots`: the largest |C - ref| over finite outputs and the largest |ref| (both
+        as float bits), and the count of outputs that are not finite."""
+        cp = self.cp
+        c, ref = cp.ascontiguousarray(c), cp.ascontiguousarray(ref, dtype=cp.float32)
+        if c.size != ref.size:
+            raise ValueError(f"output of {c.size} elements against a reference of {ref.size}")
+        kernel = _checks_module(cp).get_function(f"cudal2_errors_{self.dtype}")
+        blocks = max(1, min(_CHECK_BLOCKS, -(-c.size // _CHECK_THREADS)))
+        kernel((blocks,), (_CHECK_THREADS,), (c.view(cp.uint16), ref, cp.int64(c.size), slots))
+
 
 def poison_output(c) -> None:
     """NaN in every element of C (0xFFFF is NaN in fp16 and bf16)."""
@@ -188,43 +270,58 @@ def poison_output(c) -> None:
 
 
 class Operands:
-    """A, B, C and the workspace of one shape, each in its own guard-banded allocation.
+    """A, B, C and the workspace of one shape, laid out in one allocation between guard bands.
 
-    The guard bands hold random bytes; a write outside C (or into A, B) changes them.
+    Every byte outside C and the workspace (the guard bands, A and B) is compared with a
+    snapshot after each call: a write outside C, or into A or B, changes it. The guard bands
+    hold random bytes.
     """
 
     def __init__(self, problem: Problem, workspace_bytes: int, numerics: Numerics):
-        cp = numerics.cp
-        self.problem, self.num, self.cp = problem, numerics, cp
-        p = problem
-        self._buffers = []
-        self.a = self._guarded((p.m, p.k))
-        self.b = self._guarded(p.b_shape)
-        self.c = self._guarded((p.m, p.n))
+        cp = self.cp = numerics.cp
+        self.problem, self.num = problem, numerics
+        p, item = problem, cp.dtype(numerics.storage).itemsize
+        sizes = [p.m * p.k * item, p.b_shape[0] * p.b_shape[1] * item, p.m * p.n * item, max(workspace_bytes, 1)]
+        starts, end = [], 0
+        self._raw = cp.empty(sum(GUARD + -(-size // ALIGN) * ALIGN for size in sizes) + GUARD, dtype=cp.uint8)
+        for size in sizes:
+            self._raw[end:end + GUARD] = cp.random.randint(0, 256, GUARD, dtype=cp.uint8)
+            starts.append(end + GUARD)
+            end = starts[-1] + -(-size // ALIGN) * ALIGN
+        self._raw[end:] = cp.random.randint(0, 256, GUARD, dtype=cp.uint8)
+        self._snapshot = self._raw.copy()
+        self._ranges = cp.asarray([bound for start, size in zip(starts, sizes) for bound in (start, start + size)],
+                                  dtype=cp.int64)
+        view = lambda i, shape, dtype: cp.ndarray(shape, dtype=dtype, memptr=self._raw.data + starts[i])
+        self.a = view(0, (p.m, p.k), numerics.storage)
+        self.b = view(1, p.b_shape, numerics.storage)
+        self.c = view(2, (p.m, p.n), numerics.storage)
         self.ws_bytes = workspace_bytes
-        self.ws = self._guarded((max(workspace_bytes, 1),), cp.uint8)
+        self.ws = view(3, (max(workspace_bytes, 1),), cp.uint8)
 
-    def _guarded(self, shape, dtype=None):
-        cp = self.cp
-        dtype = dtype or self.num.storage
-        nbytes = int(cp.dtype(dtype).itemsize * shape[0] * (shape[1] if len(shape) > 1 else 1))
-        raw = cp.empty(nbytes + 2 * GUARD, dtype=cp.uint8)
-        raw[:GUARD] = cp.random.randint(0, 256, GUARD, dtype=cp.uint8)
-        raw[-GUARD:] = cp.random.randint(0, 256, GUARD, dtype=cp.uint8)
-        guards = cp.concatenate([raw[:GUARD], raw[-GUARD:]])
-        view = cp.ndarray(shape, dtype=dtype, memptr=raw.data + GUARD)
-        self._buffers.append((raw, guards))
-        return view
+    def changes(self, slots) -> None:
+        """Queues the comparison with the snapshot into two zeroed uint32 `slots`: [0] set by
+        a write outside C and the workspace other than A or B, [1] by a write into A or B."""
+        cp, words = self.cp, self._raw.size // 4
+        kernel = _checks_module(cp).get_function("cudal2_changes")
+        blocks = max(1, min(_CHECK_BLOCKS, -(-words // _CHECK_THREADS)))
+        kernel((blocks,), (_CHECK_THREADS,), (self._raw.view(cp.uint32), self._snapshot.view(cp.uint32),
+                                              cp.int64(words), self._ranges, slots))
+
+    def _changed(self) -> tuple[bool, bool]:
+        slots = self.cp.zeros(2, self.cp.uint32)
+        self.changes(slots)
+        outside, inputs = slots.get()
+        return bool(outside), bool(inputs)
 
     def stray_writes(self) -> bool:
-        cp = self.cp
-        return any(
-            not bool(cp.array_equal(cp.concatenate([raw[:GUARD], raw[-GUARD:]]), guards))
-            for raw, guards in self._buffers
-        )
+        return self._changed()[0]
+
+    def inputs_intact(self) -> bool:
+        return not self._changed()[1]
 
     def fill(self, distribution: str, rng) -> None:
-        """Fresh inputs from `distribution`; keeps copies to prove A and B untouched."""
+        """Fresh inputs from `distribution`; a new snapshot to prove A and B untouched."""
         cp, p = self.cp, self.problem
         gen = cp.random.Generator(cp.random.XORWOW(seed=rng.getrandbits(63)))
         if distribution == "accumulation":
@@ -242,7 +339,7 @@ class Operands:
             b32 = self._draw(gen, distribution, p.b_shape)
         self.num.cast(a32, self.a)
         self.num.cast(cp.ascontiguousarray(b32), self.b)
-        self.a_copy, self.b_copy = self.a.copy(), self.b.copy()
+        self._snapshot[...] = self._raw
 
     def _draw(self, gen, distribution: str, shape):
         cp = self.cp
@@ -261,7 +358,7 @@ class Operands:
         flat = x.reshape(-1)
         where = self.cp.asarray(rng.sample(range(flat.size), min(count, flat.size)))
         flat[where] = self.cp.float16(8.0) if self.num.dtype == "fp16" else self.cp.uint16(0x4100)  # bf16 8.0
-        self.a_copy, self.b_copy = self.a.copy(), self.b.copy()
+        self._snapshot[...] = self._raw
 
     def poison(self, rng) -> None:
         """NaN in C (poison_output); random bytes in the workspace."""
@@ -278,10 +375,6 @@ class Operands:
         a, b = self.num.f32(self.a), self.num.f32(self.b)
         return a @ (b if self.problem.layout == "nn" else b.T)
 
-    def inputs_intact(self) -> bool:
-        cp = self.cp
-        return bool(cp.array_equal(self.a, self.a_copy)) and bool(cp.array_equal(self.b, self.b_copy))
-
 
 def compare(c, ref, numerics: Numerics, calibration: float = 0.0) -> tuple[float, float, str]:
     """(error, tolerance, problem) with error and tolerance relative to max |ref|.
@@ -289,16 +382,23 @@ def compare(c, ref, numerics: Numerics, calibration: float = 0.0) -> tuple[float
     The tolerance is 2 unit roundoffs of the output type, or 4x the error the trusted
     library showed on the same inputs (`calibration`), whichever is larger.
     """
-    cp = numerics.cp
-    c32 = numerics.f32(c)
-    bad = ~cp.isfinite(c32)
-    count = int(bad.sum())
-    scale = float(cp.abs(ref).max()) or 1.0
+    slots = numerics.cp.zeros(3, numerics.cp.uint32)
+    numerics.errors(c, ref, slots)
+    return _judged(c, slots.get(), numerics, calibration)
+
+
+def _judged(c, slots, numerics: Numerics, calibration: float = 0.0) -> tuple[float, float, str]:
+    """compare()'s verdict from the three slots that Numerics.errors filled (read back)."""
+    import numpy
+
+    err, scale = (float(x) for x in numpy.asarray(slots[[0, 2]], dtype=numpy.uint32).view(numpy.float32))
+    count = int(slots[1])
     tol = max(2 * UNIT_ROUNDOFF[numerics.dtype], 4 * calibration)
     if count:
-        row, col = divmod(int(cp.argmax(bad.ravel())), c.shape[1])
+        cp = numerics.cp
+        row, col = divmod(int(cp.argmax(~cp.isfinite(numerics.f32(c)).ravel())), c.shape[1])
         return float("inf"), tol, f"{count} of {c.size} outputs unwritten or not finite (first at [{row}, {col}])"
-    err = float(cp.abs(c32 - ref).max()) / scale
+    err /= scale or 1.0
     return err, tol, "" if err <= tol else f"max error {err:.3g} x max|C| exceeds tolerance {tol:.3g}"
 
 
@@ -328,7 +428,7 @@ def verify(kernel: Kernel, problem: Problem, stream, baseline, rng) -> Verdict:
 def _checked_call(ops: Operands, kernel: Kernel, stream, rng, what: str, baseline,
                   keep_workspace: bool = False) -> tuple[float, float]:
     """Poison (C, and the workspace unless `keep_workspace`), call, then every check on one
-    call; returns (error, tolerance)."""
+    call, read back at once; returns (error, tolerance)."""
     if keep_workspace:
         poison_output(ops.c)
     else:
@@ -338,12 +438,20 @@ def _checked_call(ops: Operands, kernel: Kernel, stream, rng, what: str, baselin
     stream.synchronize()
     if code != 0:
         raise Rejected("unsupported", f"cudal2_gemm returned {code} for {ops.problem.m}x{ops.problem.n}x{ops.problem.k} ({what})")
-    if ops.stray_writes():
-        raise Rejected("cheat", f"wrote outside C (a guard band changed) on {what}")
-    if not ops.inputs_intact():
-        raise Rejected("cheat", f"modified A or B on {what}")
+    cp = ops.cp
+    slots = cp.zeros(8, cp.uint32)  # changes (2), then the kernel's errors (3), then the trusted library's (3)
+    ops.changes(slots[0:2])
     ref = ops.reference()
-    err, tol, why = compare(ops.c, ref, ops.num, trusted_error(ops, ref, baseline))
+    ops.num.errors(ops.c, ref, slots[2:5])
+    trusted = cp.empty_like(ops.c)
+    baseline(ops.a, ops.b, trusted)
+    ops.num.errors(trusted, ref, slots[5:8])
+    slots = slots.get()
+    if slots[0]:
+        raise Rejected("cheat", f"wrote outside C (a guard band changed) on {what}")
+    if slots[1]:
+        raise Rejected("cheat", f"modified A or B on {what}")
+    err, tol, why = _judged(ops.c, slots[2:5], ops.num, _judged(trusted, slots[5:8], ops.num)[0])
     if why:
         raise Rejected("wrong", f"{what}: {why}")
     return err, tol

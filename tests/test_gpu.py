@@ -253,6 +253,44 @@ def test_verifier_rejects_every_broken_kernel(context):
     assert "uniform" in rows["cached"]["error"], report  # the second call on the same pointers
 
 
+def test_operands_tell_a_write_outside_c_from_a_change_of_the_inputs_to_the_byte():
+    """The checks of a call read every byte but C's and the workspace's: poisoning those two
+    changes nothing watched; one byte just before or after C (whose size is no multiple of 4),
+    or after a 3-byte workspace, is a write outside C; one byte of B is a change of the inputs;
+    and compare() names the first unwritten output."""
+    import cupy
+
+    num, rng = Numerics("fp16"), random.Random(3)
+    problem = Problem(33, 17, 5, "fp16", "nn")  # C: 1,122 bytes
+
+    def operands():
+        ops = Operands(problem, 3, num)
+        ops.fill("normal", rng)
+        ops.poison(rng)
+        return ops
+
+    def flip(pointer) -> None:
+        byte = cupy.ndarray((1,), cupy.uint8, memptr=pointer)
+        byte[...] = ~byte
+
+    ops = operands()
+    assert not ops.stray_writes() and ops.inputs_intact()
+    for where in (lambda o: o.c.data - 1, lambda o: o.c.data + o.c.nbytes, lambda o: o.ws.data + 3):
+        ops = operands()
+        flip(where(ops))
+        assert ops.stray_writes() and ops.inputs_intact()
+    ops = operands()
+    flip(ops.b.data + 7)
+    assert not ops.stray_writes() and not ops.inputs_intact()
+
+    ref = ops.reference()
+    ops.c[...] = ref.astype(cupy.float16)
+    assert compare(ops.c, ref, num)[2] == ""
+    ops.c[5, 3] = cupy.nan
+    err, _, why = compare(ops.c, ref, num)
+    assert err == float("inf") and "1 of 561 outputs" in why and "[5, 3]" in why, why
+
+
 def test_kernels_timed_together_read_as_each_does_alone(context):
     """A batch's verified kernels share one session with the baselines (one set-up, one soak,
     the same rounds): against its own session's cuBLAS, each kernel reads within 5% of what
