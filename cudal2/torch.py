@@ -1,4 +1,5 @@
-"""PyTorch ops: `torch.ops.cudal2.linear(x, weight, bias=None)` and `torch.ops.cudal2.mm(a, b)`.
+"""PyTorch ops: `torch.ops.cudal2.linear(x, weight, bias=None)` and `torch.ops.cudal2.mm(a, b)`
+(and `torch.ops.cudal2.layer(weight, bias, x)`, linear for a patched layer's forward).
 
 The ops live in C++ (`csrc/torch_op.cpp`, a TORCH_LIBRARY built with torch.utils.cpp_extension
 on first import and cached): a call is looked up in the dispatch library's table (choose one
@@ -115,8 +116,9 @@ def served(m: int, n: int, k: int, dtype: str = "fp16", layout: str = "nt") -> P
 
 def patch(model: torch.nn.Module) -> int:
     """Routes every nn.Linear whose (N, K) the served library tuned for some M straight to
-    torch.ops.cudal2.linear: its forward becomes the op with the layer's weight and bias bound
-    (no Python function of ours between the module call and the op). Returns how many."""
+    the op: its forward becomes torch.ops.cudal2.layer (linear, the layer's tensors first) with
+    the layer's weight and bias bound, so a call passes x alone, positionally (no Python
+    function of ours between the module call and the op). Returns how many."""
     table = _served["table"]
     if table is None:
         return 0
@@ -125,7 +127,7 @@ def patch(model: torch.nn.Module) -> int:
     for layer in model.modules():
         if isinstance(layer, torch.nn.Linear) and layer.weight.dtype in DTYPES and \
                 (layer.out_features, layer.in_features, DTYPES[layer.weight.dtype]) in tuned:
-            layer.forward = functools.partial(torch.ops.cudal2.linear.default, weight=layer.weight, bias=layer.bias)
+            layer.forward = functools.partial(torch.ops.cudal2.layer.default, layer.weight, layer.bias)
             swapped += 1
     return swapped
 

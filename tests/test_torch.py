@@ -47,6 +47,7 @@ def entry(m, n, k, verified=None, library="kernels/a.so", dtype="bf16", layout="
 
 def test_the_ops_are_registered_in_cpp_and_fall_back_to_the_library_call():
     for name, schema in (("linear", "cudal2::linear(Tensor x, Tensor weight, Tensor? bias=None) -> Tensor"),
+                         ("layer", "cudal2::layer(Tensor weight, Tensor? bias, Tensor x) -> Tensor"),
                          ("mm", "cudal2::mm(Tensor a, Tensor b) -> Tensor")):
         op = getattr(torch.ops.cudal2, name).default
         assert str(op._schema) == schema
@@ -58,6 +59,8 @@ def test_the_ops_are_registered_in_cpp_and_fall_back_to_the_library_call():
     assert torch.equal(torch.ops.cudal2.mm(x[0], w.t()), torch.mm(x[0], w.t()))
     for args in ((x, w), (x, w, b), (x[0].half(), w.half())):  # schema, meta, eager and autograd agree
         torch.library.opcheck(torch.ops.cudal2.linear.default, args)
+        torch.library.opcheck(torch.ops.cudal2.layer.default, (args[1], args[2] if len(args) > 2 else None, args[0]))
+    assert torch.equal(torch.ops.cudal2.layer(w, b, x), F.linear(x, w, b))
     torch.library.opcheck(torch.ops.cudal2.mm.default, (x[0], w.t().contiguous()))
     with pytest.raises(RuntimeError):
         torch.ops.cudal2.linear(x, torch.randn(4, 15))  # K disagrees: the library call's own error
@@ -175,8 +178,8 @@ def test_patch_routes_the_tuned_layers_of_a_hugging_face_llama_straight_to_the_o
     assert ops.patch(patched) == 8  # 4 projections in each of 2 layers
     attention = patched.model.layers[0].self_attn
     assert isinstance(attention.q_proj.forward, functools.partial)
-    assert attention.q_proj.forward.func is torch.ops.cudal2.linear.default  # the op itself, no Python wrapper
-    assert attention.q_proj.forward.keywords["weight"] is attention.q_proj.weight
+    assert attention.q_proj.forward.func is torch.ops.cudal2.layer.default  # the op itself, no Python wrapper
+    assert attention.q_proj.forward.args == (attention.q_proj.weight, None) and not attention.q_proj.forward.keywords
     assert attention.k_proj.forward.__func__ is torch.nn.Linear.forward
     ids = torch.randint(0, 128, (2, 12))
     with torch.no_grad():
@@ -191,7 +194,7 @@ def test_patch_routes_the_tuned_layers_of_a_hugging_face_llama_straight_to_the_o
 
     with torch.no_grad():
         assert torch.equal(torch.compile(patched, backend=backend)(ids).logits, model(ids).logits)
-    assert sum(code.count("cudal2.linear") for code in graphs) == 8  # traced as the op, every patched layer
+    assert sum(code.count("cudal2.layer") for code in graphs) == 8  # traced as the op, every patched layer
     loss = patched(ids, labels=ids).loss
     loss.backward()
     model(ids, labels=ids).loss.backward()
@@ -226,7 +229,7 @@ def test_one_op_call_costs_about_what_f_linear_costs_on_the_host():
     layer no costlier than nn.Linear (0.3 us of noise each)."""
     x, w = torch.randn(1, 64), torch.randn(64, 64)
     layer, patched = torch.nn.Linear(64, 64, bias=False), torch.nn.Linear(64, 64, bias=False)
-    patched.forward = functools.partial(torch.ops.cudal2.linear.default, weight=patched.weight, bias=None)
+    patched.forward = functools.partial(torch.ops.cudal2.layer.default, patched.weight, None)
     aten = torch.ops.aten.linear.default
     threads = torch.get_num_threads()
     torch.set_num_threads(1)

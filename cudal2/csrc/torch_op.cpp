@@ -308,33 +308,56 @@ at::Tensor mm_autograd(c10::DispatchKeySet keys, const at::Tensor& a, const at::
   return mm_op().redispatch(keys & c10::after_ADInplaceOrView_keyset, a, b);
 }
 
+// cudal2::layer, a patched nn.Linear's forward (cudal2.torch.patch): linear with the layer's own
+// tensors first, bound once, so that a call passes x positionally (torch.ops parses keyword
+// arguments at a microsecond a call). Each dispatch key's kernel is linear's, arguments reordered
+// (a composite calling linear would cost a second trip through the dispatcher).
+template <at::Tensor (*Linear)(const at::Tensor&, const at::Tensor&, const std::optional<at::Tensor>&)>
+at::Tensor layer(const at::Tensor& weight, const std::optional<at::Tensor>& bias, const at::Tensor& x) {
+  return Linear(x, weight, bias);
+}
+
+at::Tensor layer_autograd(c10::DispatchKeySet keys, const at::Tensor& weight, const std::optional<at::Tensor>& bias,
+                          const at::Tensor& x) {
+  static auto op = c10::Dispatcher::singleton().findSchemaOrThrow("cudal2::layer", "").typed<decltype(layer<linear_fallback>)>();
+  if (at::GradMode::is_enabled() && (records(x) || records(weight) || (bias && records(*bias))))
+    return LinearFunction::apply(x, weight, bias);
+  at::AutoDispatchBelowADInplaceOrView below;
+  return op.redispatch(keys & c10::after_ADInplaceOrView_keyset, weight, bias, x);
+}
+
 }  // namespace
 
 TORCH_LIBRARY(cudal2, m) {
   m.def("linear(Tensor x, Tensor weight, Tensor? bias=None) -> Tensor");
   m.def("mm(Tensor a, Tensor b) -> Tensor");
+  m.def("layer(Tensor weight, Tensor? bias, Tensor x) -> Tensor");
   m.def("_serve(str[] kernels, int[] entries, int[] library_call) -> ()", &serve);
   m.def("_kernel(int m, int n, int k, int dtype, int layout) -> str", &kernel_for);
 }
 
 TORCH_LIBRARY_IMPL(cudal2, CompositeExplicitAutograd, m) {  // every device: the library call
   m.impl("linear", &linear_fallback);
+  m.impl("layer", &layer<linear_fallback>);
   m.impl("mm", &mm_fallback);
 }
 
 #ifdef CUDAL2_CUDA
 TORCH_LIBRARY_IMPL(cudal2, CUDA, m) {
   m.impl("linear", &linear_cuda);
+  m.impl("layer", &layer<linear_cuda>);
   m.impl("mm", &mm_cuda);
 }
 #endif
 
 TORCH_LIBRARY_IMPL(cudal2, Meta, m) {
   m.impl("linear", &linear_meta);
+  m.impl("layer", &layer<linear_meta>);
   m.impl("mm", &mm_meta);
 }
 
 TORCH_LIBRARY_IMPL(cudal2, Autograd, m) {
   m.impl("linear", &linear_autograd);
+  m.impl("layer", &layer_autograd);
   m.impl("mm", &mm_autograd);
 }
