@@ -132,38 +132,43 @@ def relative_error(out: torch.Tensor, ref: torch.Tensor) -> float:
     return float((out.float() - ref.float()).abs().max() / ref.float().abs().max())
 
 
-def device_us(fn, graph: bool, repeats: int = 20) -> float:
-    """Median device time of fn(): eager calls, or replays of it captured in a CUDA graph."""
+def device_us(fns: dict, graph: bool, rounds: int = 10, repeats: int = 4) -> dict:
+    """Median device time of each of `fns` (name -> fn()): eager calls, or replays of it
+    captured in a CUDA graph; NaN (with the reason printed) where one cannot be captured. The
+    functions take turns, `repeats` timed calls each a round, so that the host's and the
+    GPU's drift falls on all of them alike (an eager step is bound by the host)."""
+    runs, times = {}, {}
+    for name, fn in fns.items():
+        try:
+            runs[name] = _prepared(fn, graph)
+        except RuntimeError as exc:
+            print(f"  {name} not timed ({'graph' if graph else 'eager'}): {str(exc).strip().splitlines()[0]}", flush=True)
+    for _ in range(rounds):
+        for name, run in runs.items():
+            for _ in range(repeats):
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                start.record()
+                run()
+                end.record()
+                end.synchronize()
+                times.setdefault(name, []).append(start.elapsed_time(end) * 1e3)
+    return {name: statistics.median(times[name]) if name in times else float("nan") for name in fns}
+
+
+def _prepared(fn, graph: bool):
+    """fn warmed up (off the default stream, as a capture wants), or its CUDA graph's replay."""
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):  # warm-up off the default stream, as a capture wants
+    with torch.cuda.stream(side):
         for _ in range(3):
             fn()
     torch.cuda.current_stream().wait_stream(side)
-    run = fn
-    if graph:
-        captured = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(captured):
-            fn()
-        run = captured.replay
-    times = []
-    for _ in range(repeats):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        run()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1e3)
-    return statistics.median(times)
-
-
-def timed(fn, graph: bool) -> float:
-    """device_us(fn, graph), or NaN (with the reason printed) where fn cannot be captured."""
-    try:
-        return device_us(fn, graph)
-    except RuntimeError as exc:
-        print(f"  not timed ({'graph' if graph else 'eager'}): {str(exc).strip().splitlines()[0]}", flush=True)
-        return float("nan")
+    if not graph:
+        return fn
+    captured = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(captured):
+        fn()
+    return captured.replay
 
 
 def gemm_us(shape: tuple, op) -> float:
@@ -173,7 +178,7 @@ def gemm_us(shape: tuple, op) -> float:
     calls = max(2, min(10, 2**31 // (n * k * 2)))
     x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
     weights = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) for _ in range(calls)]
-    return device_us(lambda: [op(x, w) for w in weights], graph=True) / calls
+    return device_us({"calls": lambda: [op(x, w) for w in weights]}, graph=True)["calls"] / calls
 
 
 def tune(shapes: list[tuple], args) -> bool:
@@ -240,8 +245,8 @@ def main() -> None:
             exact = step(reference, case, config.vocab_size)
             ref = runs[case]()
             error, own = relative_error(ours(), ref), relative_error(ref, exact())
-            times = {(name, graph): timed(fn, graph) for graph in (False, True)
-                     for name, fn in (("torch", runs[case]), ("cudal2", ours))}
+            times = {(name, graph): t for graph in (False, True)
+                     for name, t in device_us({"torch": runs[case], "cudal2": ours}, graph).items()}
             predicted = predicted_speedup(times["torch", True], calls[case], library_us, tuned_us)
             row = {"case": str(case), "error": error, "bf16_vs_fp32": own, "predicted": predicted,
                    **{f"{name}_{'graph' if graph else 'eager'}_us": t for (name, graph), t in times.items()}}
