@@ -234,6 +234,10 @@ class ShapeRun:
         # baselines' session): a time budget is spent in sessions that fit it.
         self.per_kernel_s = 0.0
         self.per_screen_s = 0.0  # the same, of a screening session (none yet: the first screens all)
+        # Seconds the full protocol takes to confirm one screened kernel (its methods' timing
+        # budgets, until a session of one kernel is seen): screening leaves that much of a
+        # time budget, so that a shape's run ends near its budget, not a confirmation past it.
+        self.confirm_s = 2 * ctx.settings.budget
         self.number = next(_RUNS)  # its compiles behind the GPU go before an earlier run's
         self.ended = threading.Event()  # the run is over: its proposal thread starts no compile
 
@@ -289,7 +293,7 @@ class ShapeRun:
                 return
             out.rows += invalid
             self._see(invalid)
-            last = iteration + 1 >= budget.iterations or self._over_time()
+            last = iteration + 1 >= budget.iterations or self._over_time(self._reserve())
             if not last:  # the next batch compiles while this one is on the GPU
                 pending = self._next_batch(pool)
             self.emit("batch", {"iteration": iteration + 1, "candidates": len(built), "invalid": len(invalid)})
@@ -298,8 +302,10 @@ class ShapeRun:
                                else "the proposer has nothing new")
                 return
             stale = 0 if self._measure_batch(built, list(invalid)) else stale + 1
-            if last:
-                out.stopped = "time budget spent" if self._over_time() else "iterations done"
+            # with a verified kernel, a batch whose confirmation would end past the budget is not begun
+            spent = self._over_time(self._reserve() if self.verified else 0.0)
+            if last or spent:
+                out.stopped = "time budget spent" if spent else "iterations done"
                 return
             if budget.patience is not None and stale >= budget.patience:
                 out.stopped = f"no better kernel in {stale} batches (patience)"
@@ -469,8 +475,9 @@ class ShapeRun:
         best 1 / budget.screen of the batch by the screened ratio, best first, for the
         full protocol."""
         passed = []
-        for session in self._sessions(items, screen=True):
-            if self._over_time() and (self.verified or passed):
+        for session in self._sessions(items, screen=True, reserve=self.confirm_s):
+            left = self._time_left(self.confirm_s)  # what the confirmation leaves of the budget
+            if left is not None and (left <= 0 or left < self.per_screen_s) and (self.verified or passed):
                 break
             self.seen_binaries.update(b for item in session if (b := binaries[item.source]) is not None)
             for item, row in zip(session, self._measure_session(session, screen=True), strict=True):
@@ -494,13 +501,14 @@ class ShapeRun:
             binaries[item.source] = binary
         return fresh, binaries
 
-    def _sessions(self, items: list[Built], screen: bool = False):
+    def _sessions(self, items: list[Built], screen: bool = False, reserve: float = 0.0):
         """The batch's kernels, session by session (next_session; `screen`: screening
-        sessions, at the seconds a kernel took in the latest of those)."""
+        sessions, at the seconds a kernel took in the latest of those), in the time left but
+        `reserve` seconds."""
         items = list(items)
         while items:
             per_kernel_s = self.per_screen_s if screen else self.per_kernel_s
-            size = next_session(len(items), session_size(self.ctx), self._time_left(), per_kernel_s)
+            size = next_session(len(items), session_size(self.ctx), self._time_left(reserve), per_kernel_s)
             yield items[:size]
             del items[:size]
 
@@ -517,6 +525,8 @@ class ShapeRun:
                 self.per_screen_s = spent / on_gpu
             else:
                 self.per_kernel_s = spent / on_gpu
+                if on_gpu == 1:
+                    self.confirm_s = spent
         self.out.screened += on_gpu if screen else 0
         return measured
 
@@ -550,17 +560,22 @@ class ShapeRun:
         """The loop's one writer: rows go to the leaderboard as one part."""
         self.ctx.leaderboard.append(rows)
 
-    def _over_time(self) -> bool:
-        return self.budget.time_s is not None and time.monotonic() - self.start >= self.budget.time_s
+    def _over_time(self, reserve: float = 0.0) -> bool:
+        """Whether the time budget is spent, or all but `reserve` seconds of it."""
+        return self.budget.time_s is not None and time.monotonic() - self.start + reserve >= self.budget.time_s
+
+    def _reserve(self) -> float:
+        """Seconds a batch keeps for its confirmation: none without screening."""
+        return self.confirm_s if self.budget.screen > 1 else 0.0
 
     def _overrun(self) -> float:
         """Seconds the run is past its time budget."""
         return time.monotonic() - self.start - (self.budget.time_s or 0.0)
 
-    def _time_left(self) -> float | None:
+    def _time_left(self, reserve: float = 0.0) -> float | None:
         if self.budget.time_s is None:
             return None
-        return max(0.0, self.budget.time_s - (time.monotonic() - self.start))
+        return max(0.0, self.budget.time_s - reserve - (time.monotonic() - self.start))
 
 
 def optimize(ctx: Context, proposer: Proposer, budget: Budget, *, remeasure: bool = False,

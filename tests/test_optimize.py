@@ -151,6 +151,45 @@ def test_loop_measures_batches_records_rows_and_exports_the_best(tmp_path, compi
     assert out.compile_s > 0 and out.wall_s >= out.gpu_s
 
 
+class PacedWorker(StandInWorker):
+    """A stand-in whose sessions take time on `clock` (the loop's clock, nothing else moving
+    it): a screening session 0.05 s a kernel, a session of the full protocol 0.4 s."""
+
+    def __init__(self, clock: list[float]):
+        super().__init__()
+        self.clock = clock
+
+    def measure(self, job, libraries, timeout, screen=False):
+        self.clock[0] += 0.05 * len(libraries) if screen else 0.4
+        return super().measure(job, libraries, timeout, screen)
+
+
+@pytest.mark.parametrize("budget_s, sessions", [(1.0, [4, 1]), (1.12, [4, 1, 2, 1]), (1.3, [4, 1, 4, 1])])
+def test_screening_under_a_time_budget_leaves_the_time_of_the_confirmation(tmp_path, compiler, monkeypatch,
+                                                                         budget_s, sessions):
+    """A shape's run ends within its time budget, not a confirmation past it: four kernels
+    screened (0.2 s) and the best confirmed (0.4 s: the protocol's two methods at its 0.2 s
+    timing budget each) take 0.6 s, and a batch is begun only while its confirmation would
+    still end within the budget, and screens no more than leaves its time: 1.0 s holds one
+    batch, 1.12 s a second that screens two kernels, 1.3 s two whole batches."""
+    import sys
+    import time as real
+    from types import SimpleNamespace
+
+    clock = [0.0]
+    loop = sys.modules["cudal2.optimize"]  # (the package's `optimize` is the function)
+    monkeypatch.setattr(loop, "time", SimpleNamespace(monotonic=lambda: clock[0], sleep=real.sleep))
+    worker = PacedWorker(clock)
+    settings = Settings(results=tmp_path / "results", budget=0.2)
+    ctx = Context(Problem(256, 256, 256), settings, worker, compiler, Leaderboard(settings.results), "run-1",
+                  proposer="search", libraries=STAND_IN_LIBRARIES)
+    compiler.compile_all([render(c, ctx.problem) for c in sm80_search().propose(ctx.problem, [], 8)])
+    out = optimize(ctx, sm80_search(), Budget(iterations=5, batch=1, screen=4, time_s=budget_s, patience=None))
+    assert worker.sessions == sessions and worker.screens == [True, False] * (len(sessions) // 2), worker.sessions
+    assert out.stopped == "time budget spent" and out.best is not None
+    assert out.wall_s <= budget_s, out.wall_s
+
+
 def test_a_batch_is_timed_in_one_session_and_a_time_budget_in_sessions_that_fit_it(tmp_path, compiler):
     from cudal2.optimize import next_session
 
