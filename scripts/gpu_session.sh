@@ -15,6 +15,9 @@
 #   scripts/gpu_session.sh grid-sample -> SAMPLE (100) fresh random grid shapes drawn with SEED (record it),
 #     tuned by cudal2 optimize --shapes --time-budget BUDGET (5), then scripts/grid_sample.py's report
 #     (screened per shape, wall time, best speedups by regime); run `cudal2 prebuild` first
+#   scripts/gpu_session.sh budget-compare -> SAMPLE (20) fresh grid shapes drawn with SEED, tuned twice from
+#     empty results directories, at --time-budget SHORT (5) and LONG (60) s, then grid_sample.py compare
+#     (the short budget's share of the long one's best); run `cudal2 prebuild` first
 #   scripts/gpu_session.sh devset-optimize -> cudal2 optimize (search) on every row of DEVSET
 #     (DEVSET_ROWS='1,8p;19p' picks data rows as a sed -n script; OPTIMIZE="..." sets its options)
 # Logs, JSON and a tarball of the results directory go to ${OUT:-gpu-run}/.
@@ -73,6 +76,15 @@ for stage in "$@"; do
         > "$out/grid-sample.json"
       echo "seed $SEED, budget ${BUDGET:-5} s: $(( $(date +%s) - start )) s wall" | tee "$out/grid-sample.md"
       python3 scripts/grid_sample.py report "$out/grid-sample.json" | tee -a "$out/grid-sample.md" ;;
+    budget-compare)
+      python3 scripts/grid_sample.py draw --count "${SAMPLE:-20}" --seed "${SEED:?SEED: a seed never used before}" \
+        --results "$results" > "$out/budget-compare.csv"
+      for budget in "${SHORT:-5}" "${LONG:-60}"; do
+        cudal2 optimize --shapes "$out/budget-compare.csv" --time-budget "$budget" --results "$out/budget-$budget" \
+          --json > "$out/budget-$budget.json"
+      done
+      python3 scripts/grid_sample.py compare "$out/budget-${SHORT:-5}.json" "$out/budget-${LONG:-60}.json" \
+        | tee "$out/budget-compare.md" ;;
     ceiling)
       nvcc -O3 -arch=sm_90a -o /tmp/mma_peak benchmarks/mma_sync_peak.cu && /tmp/mma_peak | tee "$out/mma-peak.txt"
       nvcc -O3 -arch=sm_90a -o /tmp/l2_bandwidth benchmarks/l2_bandwidth.cu && /tmp/l2_bandwidth | tee "$out/l2-bandwidth.txt"

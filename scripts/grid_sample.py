@@ -4,11 +4,15 @@ grid CUDA-L2 tunes), and what a tuning run over them did.
     python3 scripts/grid_sample.py draw --count 100 --seed S [--results DIR] > shapes.csv
     cudal2 optimize --shapes shapes.csv --time-budget 5 --json > run.json
     python3 scripts/grid_sample.py report run.json
+    python3 scripts/grid_sample.py compare short.json long.json   # the same shapes, two budgets
 
 `draw` leaves out every shape measured before: the project's test shape sets, the shipped
 measurements and, with --results, that leaderboard's problems; the same seed draws the same
 shapes. `report` prints, per shape and over the set, the candidates screened and measured,
-the time to the first verified kernel, the wall time and the best speedup (by regime too).
+the time to the first verified kernel, the wall time (and what 1,000 shapes would take at
+its mean) and the best speedup (by regime too). `compare` prints, per shape of two runs over
+the same shapes, each run's best speedup and their ratio, and over the set the geometric
+mean of the ratios and the shapes within 2%.
 """
 
 from __future__ import annotations
@@ -67,7 +71,8 @@ def report(run: dict) -> str:
     screened = sorted(s.get("screened", 0) for s in shapes)
     walls = [s["wall_s"] for s in shapes]
     all_best = [v for values in by_regime.values() for v in values]
-    lines += ["", f"{len(shapes)} shapes in {sum(walls) / 60:.1f} min of tuning (mean {statistics.mean(walls):.1f} s a shape); "
+    lines += ["", f"{len(shapes)} shapes in {sum(walls) / 60:.1f} min of tuning (mean {statistics.mean(walls):.1f} s a shape: "
+              f"{statistics.mean(walls) * 1000 / 3600:.2f} h for the 1,000-shape grid); "
               f"{len(shapes) - len(all_best)} ended without a measured kernel.",
               f"screened per shape: min {screened[0]}, median {statistics.median(screened):g}, max {screened[-1]}; "
               f"{sum(v >= 64 for v in screened)} of {len(shapes)} reached 64."]
@@ -82,6 +87,33 @@ def report(run: dict) -> str:
     return "\n".join(lines)
 
 
+def compare(short: dict, long: dict) -> str:
+    """Two runs over the same shapes (a short budget's and a long one's): each shape's best
+    speedup in both and the short run's share of the long run's, and over the shapes both
+    measured, the geometric mean of those shares and how many are within 2%."""
+    def best(run: dict) -> dict[str, float | None]:
+        return {str(Problem(**s["problem"])): (s.get("best") or {}).get("speedup_offline") for s in run["shapes"]}
+
+    first, second = best(short), best(long)
+    if set(first) != set(second):
+        raise SystemExit(f"the runs tuned different shapes: {sorted(set(first) ^ set(second))}")
+    lines = ["| shape | short run's best | long run's best | short / long |", "|---|---|---|---|"]
+    shares = []
+    for shape, a in first.items():
+        b = second[shape]
+        share = a / b if a and b else None
+        if share is not None:
+            shares.append(share)
+        lines.append(f"| {shape} | {'-' if a is None else f'{a:.3f}'} | {'-' if b is None else f'{b:.3f}'} | "
+                     f"{'-' if share is None else f'{share:.3f}'} |")
+    if shares:
+        geomean = math.exp(statistics.mean(map(math.log, shares)))
+        lines += ["", f"{len(shares)} of {len(first)} shapes measured by both: the short run reached "
+                      f"{geomean:.3f} of the long run's best (geometric mean); "
+                      f"{sum(v >= 0.98 for v in shares)} within 2%, worst {min(shares):.3f}"]
+    return "\n".join(lines)
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)
@@ -91,11 +123,16 @@ def main(argv: list[str] | None = None) -> None:
     d.add_argument("--results", type=Path, help="also leave out this results directory's problems")
     r = sub.add_parser("report", help="summarise `cudal2 optimize --shapes ... --json` output")
     r.add_argument("run", type=Path)
+    c = sub.add_parser("compare", help="two `--json` runs over the same shapes: the short one's share of the long one's best")
+    c.add_argument("short", type=Path)
+    c.add_argument("long", type=Path)
     args = parser.parse_args(argv)
     if args.command == "draw":
         print("m,n,k,dtype,layout")
         for p in draw(args.count, args.seed, args.results):
             print(f"{p.m},{p.n},{p.k},{p.dtype},{p.layout}")
+    elif args.command == "compare":
+        print(compare(json.loads(args.short.read_text()), json.loads(args.long.read_text())))
     else:
         print(report(json.loads(args.run.read_text())))
 

@@ -6,6 +6,8 @@ from __future__ import annotations
 import importlib.util
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 spec = importlib.util.spec_from_file_location("grid_sample", ROOT / "scripts" / "grid_sample.py")
 grid_sample = importlib.util.module_from_spec(spec)
@@ -34,5 +36,19 @@ def test_the_report_gives_the_screened_distribution_and_the_shapes_left_without_
     text = grid_sample.report(run)
     assert "| 4096x4096x64 fp16 nn | short-K | 70 | 2 | 1.5 | 6.0 | 1.200 |" in text
     assert "3 shapes in 0.2 min" in text and "1 ended without a measured kernel" in text
+    assert "mean 5.0 s a shape: 1.39 h for the 1,000-shape grid" in text
     assert "screened per shape: min 0, median 10, max 70; 1 of 3 reached 64" in text
     assert "geomean 1.039" in text and "1 wins, 0 ties, 1 losses" in text
+
+
+def test_compare_gives_the_short_budgets_share_of_the_long_ones_best():
+    def run(*bests):
+        return {"shapes": [{"problem": {"m": m, "n": 64, "k": 4096, "dtype": "fp16", "layout": "nn"},
+                            "best": {"speedup_offline": b} if b else None} for m, b in zip((64, 128, 256), bests)]}
+
+    text = grid_sample.compare(run(1.0, 0.9, None), run(1.0, 1.0, 1.1))
+    assert "| 128x64x4096 fp16 nn | 0.900 | 1.000 | 0.900 |" in text and "| 256x64x4096 fp16 nn | - | 1.100 | - |" in text
+    assert "2 of 3 shapes measured by both" in text and "0.949 of the long run's best" in text
+    assert "1 within 2%, worst 0.900" in text
+    with pytest.raises(SystemExit, match="different shapes"):
+        grid_sample.compare(run(1.0), run(1.0, 1.0))
