@@ -1,14 +1,14 @@
 """Fresh random shapes of the 1,000-shape grid (M, N, K each one of 64 ... 16384, fp16 nn: the
 grid CUDA-L2 tunes), and what a tuning run over them did.
 
-    python3 scripts/grid_sample.py draw --count 100 --seed S [--results DIR] > shapes.csv
+    python3 scripts/grid_sample.py draw --count 100 --seed S [--results DIR] [--regime R] > shapes.csv
     cudal2 optimize --shapes shapes.csv --time-budget 5 --json > run.json
     python3 scripts/grid_sample.py report run.json
     python3 scripts/grid_sample.py compare short.json long.json   # the same shapes, two budgets
 
 `draw` leaves out every shape measured before: the project's test shape sets, the shipped
 measurements and, with --results, that leaderboard's problems; the same seed draws the same
-shapes. `report` prints, per shape and over the set, the candidates screened and measured,
+shapes; --regime keeps one regime's shapes (few-tile long-K, short-K: a regime's fresh set). `report` prints, per shape and over the set, the candidates screened and measured,
 the time to the first verified kernel, the wall time (and what 1,000 shapes would take at
 its mean) and the best speedup (by regime too). `compare` prints, per shape of two runs over
 the same shapes, each run's best speedup and their ratio, and over the set the geometric
@@ -48,11 +48,14 @@ def measured_before(results: Path | None) -> set[tuple[int, int, int, str, str]]
     return seen
 
 
-def draw(count: int, seed: int, results: Path | None) -> list[Problem]:
+def draw(count: int, seed: int, results: Path | None, within: str | None = None) -> list[Problem]:
+    """`count` grid shapes never measured before (of one regime, `within`), drawn with `seed`."""
     seen = measured_before(results)
-    fresh = [(m, n, k) for m in GRID for n in GRID for k in GRID if (m, n, k, "fp16", "nn") not in seen]
+    fresh = [(m, n, k) for m in GRID for n in GRID for k in GRID if (m, n, k, "fp16", "nn") not in seen
+             and (within is None or regime(Problem(m, n, k)) == within)]
     if count > len(fresh):
-        raise SystemExit(f"only {len(fresh)} grid shapes were never measured; asked for {count}")
+        raise SystemExit(f"only {len(fresh)} grid shapes{f' of the {within} regime' if within else ''} "
+                         f"were never measured; asked for {count}")
     return [Problem(m, n, k) for m, n, k in random.Random(seed).sample(fresh, count)]
 
 
@@ -121,6 +124,7 @@ def main(argv: list[str] | None = None) -> None:
     d.add_argument("--count", type=int, default=100)
     d.add_argument("--seed", type=int, required=True, help="record it: the same seed draws the same shapes")
     d.add_argument("--results", type=Path, help="also leave out this results directory's problems")
+    d.add_argument("--regime", choices=REGIMES, help="only shapes of this regime (cudal2/roofline.py)")
     r = sub.add_parser("report", help="summarise `cudal2 optimize --shapes ... --json` output")
     r.add_argument("run", type=Path)
     c = sub.add_parser("compare", help="two `--json` runs over the same shapes: the short one's share of the long one's best")
@@ -129,7 +133,7 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     if args.command == "draw":
         print("m,n,k,dtype,layout")
-        for p in draw(args.count, args.seed, args.results):
+        for p in draw(args.count, args.seed, args.results, args.regime):
             print(f"{p.m},{p.n},{p.k},{p.dtype},{p.layout}")
     elif args.command == "compare":
         print(compare(json.loads(args.short.read_text()), json.loads(args.long.read_text())))

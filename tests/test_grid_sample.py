@@ -23,6 +23,10 @@ def test_a_draw_is_fresh_grid_shapes_the_same_for_the_same_seed():
     assert all(v in grid_sample.GRID for p in shapes for v in (p.m, p.n, p.k))
     assert grid_sample.draw(40, seed=7, results=None) == shapes
     assert grid_sample.draw(40, seed=8, results=None) != shapes
+    for name in ("few-tile long-K", "short-K"):  # a regime's fresh set: the 30 shapes fit
+        drawn = grid_sample.draw(30, seed=7, results=None, within=name)
+        assert len(drawn) == 30 and {grid_sample.regime(p) for p in drawn} == {name}
+        assert not {(p.m, p.n, p.k, p.dtype, p.layout) for p in drawn} & seen
 
 
 def test_the_report_gives_the_screened_distribution_and_the_shapes_left_without_a_kernel():
