@@ -1,5 +1,7 @@
 """PyTorch ops: `torch.ops.cudal2.linear(x, weight, bias=None)` and `torch.ops.cudal2.mm(a, b)`
-(and `torch.ops.cudal2.layer(weight, bias, x)`, linear for a patched layer's forward).
+(and `torch.ops.cudal2.layer(weight, bias, x)`, linear for a patched layer's forward, which
+calls it as `LAYER`: C++ bound by pybind11, without torch.ops' argument parsing, where Python's
+headers let the library build as a Python module).
 
 The ops live in C++ (`csrc/torch_op.cpp`, a TORCH_LIBRARY built with torch.utils.cpp_extension
 on first import and cached): a call is looked up in the dispatch library's table (choose one
@@ -21,11 +23,14 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import importlib.util
 import subprocess
 import sys
+import sysconfig
 import time
 from collections.abc import Callable
 from pathlib import Path
+from types import ModuleType
 
 import torch
 
@@ -41,32 +46,47 @@ DTYPE_CODES = {"fp16": 0, "bf16": 1}
 LAYOUT_CODES = {"nn": 0, "nt": 1}
 
 
-def build() -> Path:
+def build() -> ModuleType | None:
     """Compiles the ops' library for this torch (with its CUDA path where torch has CUDA and
     the toolkit is installed), once per source and torch build, under the cache directory's
-    `torch-op/`; loads it and returns its path."""
+    `torch-op/`, and loads it (the ops register). Where Python's headers are installed it is a
+    Python module too, returned: its `layer` is the patched layers' call; else None."""
     from torch.utils import cpp_extension
 
     cuda = torch.version.cuda is not None and cpp_extension.CUDA_HOME is not None
-    stamp = f"{torch.__version__} {torch.version.cuda} {cuda} {sys.version_info[:2]}".encode()
+    python = Path(sysconfig.get_paths()["include"], "Python.h").is_file()
+    stamp = f"{torch.__version__} {torch.version.cuda} {cuda} {python} {sys.version_info[:2]}".encode()
     key = hashlib.sha256(SOURCE.read_bytes() + stamp).hexdigest()[:16]
     name = f"cudal2_torch_op_{key}"
     directory = default_cache_dir() / "torch-op" / key
     library = directory / f"{name}.so"
     if library.is_file():
-        torch.ops.load_library(str(library))
-    else:
-        directory.mkdir(parents=True, exist_ok=True)
-        try:
-            cpp_extension.load(name=name, sources=[str(SOURCE)], with_cuda=cuda, build_directory=str(directory),
-                               extra_cflags=["-O3", *(["-DCUDAL2_CUDA"] if cuda else [])], is_python_module=False)
-        except (RuntimeError, OSError, subprocess.CalledProcessError) as exc:  # no compiler, no ninja, a build error
-            raise Cudal2Error(f"cannot build the cudal2 PyTorch op from {SOURCE} in {directory}: "
-                              f"{str(exc).strip().splitlines()[-1]}") from None
-    return library
+        if not python:
+            torch.ops.load_library(str(library))
+            return None
+        spec = importlib.util.spec_from_file_location(name, library)
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        return module
+    directory.mkdir(parents=True, exist_ok=True)
+    flags = ["-O3", *(["-DCUDAL2_CUDA"] if cuda else []), *(["-DCUDAL2_PYTHON"] if python else [])]
+    try:
+        module = cpp_extension.load(name=name, sources=[str(SOURCE)], with_cuda=cuda, build_directory=str(directory),
+                                    extra_cflags=flags, is_python_module=python)
+    except (RuntimeError, OSError, subprocess.CalledProcessError) as exc:  # no compiler, no ninja, a build error
+        raise Cudal2Error(f"cannot build the cudal2 PyTorch op from {SOURCE} in {directory}: "
+                          f"{str(exc).strip().splitlines()[-1]}") from None
+    return module if python else None
 
 
-LIBRARY = build()
+OP = build()
+# A patched layer's forward: cudal2::layer called from C++ (bound by pybind11), else through torch.ops.
+LAYER = OP.layer if OP is not None else torch.ops.cudal2.layer.default
+if OP is not None:
+    @torch.compiler.substitute_in_graph(OP.layer, skip_signature_check=True)
+    def _layer(weight: torch.Tensor, bias: torch.Tensor | None, x: torch.Tensor) -> torch.Tensor:
+        """What torch.compile traces for a patched layer's call (OP.layer, a C++ function): the op."""
+        return torch.ops.cudal2.layer.default(weight, bias, x)
 _served: dict = {"table": None}  # the table the C++ op serves, for patch()
 
 
@@ -116,9 +136,10 @@ def served(m: int, n: int, k: int, dtype: str = "fp16", layout: str = "nt") -> P
 
 def patch(model: torch.nn.Module) -> int:
     """Routes every nn.Linear whose (N, K) the served library tuned for some M straight to
-    the op: its forward becomes torch.ops.cudal2.layer (linear, the layer's tensors first) with
-    the layer's weight and bias bound, so a call passes x alone, positionally (no Python
-    function of ours between the module call and the op). Returns how many."""
+    the op: its forward becomes cudal2::layer (linear, the layer's tensors first) called from
+    C++ (LAYER, i.e. OP.layer: no Python of ours, nor torch.ops' argument parsing, between the
+    module call and the dispatcher) with the layer's weight and bias bound. torch.compile
+    traces it as torch.ops.cudal2.layer. Returns how many."""
     table = _served["table"]
     if table is None:
         return 0
@@ -127,7 +148,7 @@ def patch(model: torch.nn.Module) -> int:
     for layer in model.modules():
         if isinstance(layer, torch.nn.Linear) and layer.weight.dtype in DTYPES and \
                 (layer.out_features, layer.in_features, DTYPES[layer.weight.dtype]) in tuned:
-            layer.forward = functools.partial(torch.ops.cudal2.layer.default, layer.weight, layer.bias)
+            layer.forward = functools.partial(LAYER, layer.weight, layer.bias)
             swapped += 1
     return swapped
 

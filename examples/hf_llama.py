@@ -10,7 +10,7 @@ The model's own GEMMs are recorded from one run of each case (every nn.Linear ca
 and tuned with `cudal2 optimize --shapes` (the `--model llama3-8b` preset lists the fused qkv
 and gate_up projections an inference engine runs; Hugging Face's Llama runs q, k, v, gate and
 up apart). `cudal2 export` then writes the dispatch library, and `cudal2.torch.patch` routes
-the tuned layers to the op (torch.ops.cudal2.layer: linear with the layer's tensors bound first).
+the tuned layers to the op (cudal2::layer, linear with the layer's tensors bound first, called from C++).
 
 Prints, per case: the logits' error against the unpatched model and the bf16 model's own error
 against an fp32 copy (both relative to the largest logit); the step's device time with and
@@ -225,7 +225,7 @@ def main() -> None:
     ops.use(args.library if (args.library / "index.json").is_file() else None)
     tuned = copy.deepcopy(model)
     print(f"{ops.patch(tuned)} of {sum(isinstance(m, torch.nn.Linear) for m in tuned.modules())} Linear layers "
-          f"go through the op (torch.ops.cudal2.layer); library {args.library}", flush=True)
+          f"go through the op (cudal2::layer); library {args.library}", flush=True)
     served = {shape: ops.served(*shape, "bf16", "nt") for shape in shapes}
     for shape in shapes:
         print(f"  {shape[0]}x{shape[1]}x{shape[2]}: {served[shape].name if served[shape] else 'library call'}")

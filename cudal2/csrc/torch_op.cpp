@@ -16,6 +16,9 @@
 #include <ATen/ATen.h>
 #include <torch/csrc/autograd/custom_function.h>
 #include <torch/library.h>
+#ifdef CUDAL2_PYTHON
+#include <torch/extension.h>
+#endif
 
 #include <dlfcn.h>
 
@@ -317,14 +320,29 @@ at::Tensor layer(const at::Tensor& weight, const std::optional<at::Tensor>& bias
   return Linear(x, weight, bias);
 }
 
+const c10::TypedOperatorHandle<decltype(layer<linear_fallback>)>& layer_op() {
+  static auto op = c10::Dispatcher::singleton().findSchemaOrThrow("cudal2::layer", "").typed<decltype(layer<linear_fallback>)>();
+  return op;
+}
+
 at::Tensor layer_autograd(c10::DispatchKeySet keys, const at::Tensor& weight, const std::optional<at::Tensor>& bias,
                           const at::Tensor& x) {
-  static auto op = c10::Dispatcher::singleton().findSchemaOrThrow("cudal2::layer", "").typed<decltype(layer<linear_fallback>)>();
   if (at::GradMode::is_enabled() && (records(x) || records(weight) || (bias && records(*bias))))
     return LinearFunction::apply(x, weight, bias);
   at::AutoDispatchBelowADInplaceOrView below;
-  return op.redispatch(keys & c10::after_ADInplaceOrView_keyset, weight, bias, x);
+  return layer_op().redispatch(keys & c10::after_ADInplaceOrView_keyset, weight, bias, x);
 }
+
+#ifdef CUDAL2_PYTHON
+// cudal2::layer called from Python through pybind11 (the module's `layer`, a patched layer's
+// forward): its arguments are bound in a fraction of the time torch.ops' schema-driven binding
+// takes (1x64x64 on a CPU tensor here: 2.0 us a call, against 3.3 through torch.ops and 2.4 for
+// F.linear); the call then goes through the dispatcher as any call of the op (autograd, meta,
+// the CUDA kernel or the library call). cudal2/torch.py tells torch.compile to trace it as the op.
+at::Tensor layer_call(const at::Tensor& weight, const std::optional<at::Tensor>& bias, const at::Tensor& x) {
+  return layer_op().call(weight, bias, x);
+}
+#endif
 
 }  // namespace
 
@@ -361,3 +379,10 @@ TORCH_LIBRARY_IMPL(cudal2, Autograd, m) {
   m.impl("layer", &layer_autograd);
   m.impl("mm", &mm_autograd);
 }
+
+#ifdef CUDAL2_PYTHON  // built as a Python module (cudal2/torch.py, where Python's headers are installed)
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("layer", &layer_call, "cudal2::layer(weight, bias, x): linear(x, weight, bias) through the dispatcher",
+        pybind11::call_guard<pybind11::gil_scoped_release>());
+}
+#endif
