@@ -425,7 +425,7 @@ def verify(kernel: Kernel, problem: Problem, stream, baseline, rng) -> Verdict:
     return verdict
 
 
-def _checked_call(ops: Operands, kernel: Kernel, stream, rng, what: str, baseline,
+def checked_call(ops: Operands, kernel: Kernel, stream, rng, what: str, baseline,
                   keep_workspace: bool = False) -> tuple[float, float]:
     """Poison (C, and the workspace unless `keep_workspace`), call, then every check on one
     call, read back at once; returns (error, tolerance)."""
@@ -466,16 +466,16 @@ def _verify(kernel: Kernel, problem: Problem, stream, baseline, rng) -> Verdict:
     # several distributions including one that exposes low-precision accumulation.
     for ops, dist in ((first, "normal"), (first, "uniform"), (second, "positive"), (second, "accumulation")):
         ops.fill(dist, rng)
-        worst = max(worst, _checked_call(ops, kernel, stream, rng, f"{dist} inputs", baseline))
+        worst = max(worst, checked_call(ops, kernel, stream, rng, f"{dist} inputs", baseline))
 
     # A result memoised under a sample of the inputs (in the workspace or in the library's
     # static memory) comes back after a change of a few entries it did not sample.
     for operand in ("a", "b"):
         first.fill("normal", rng)
-        _checked_call(first, kernel, stream, rng, "normal inputs", baseline)
+        checked_call(first, kernel, stream, rng, "normal inputs", baseline)
         first.perturb(operand, rng)
         try:  # the workspace as the call before left it, as a user's next call finds it
-            _checked_call(first, kernel, stream, rng, f"a few entries of {operand.upper()} changed", baseline,
+            checked_call(first, kernel, stream, rng, f"a few entries of {operand.upper()} changed", baseline,
                           keep_workspace=True)
         except Rejected as r:
             if r.status != "wrong":
@@ -519,7 +519,7 @@ def _verify(kernel: Kernel, problem: Problem, stream, baseline, rng) -> Verdict:
             continue
         stream.synchronize()
         ops.poison(rng)  # the accepted shape is now checked in full
-        worst = max(worst, _checked_call(ops, kernel, stream, rng, f"odd shape {m}x{n}x{k}", baseline))
+        worst = max(worst, checked_call(ops, kernel, stream, rng, f"odd shape {m}x{n}x{k}", baseline))
     return Verdict("ok", max_error=worst[0], tolerance=worst[1])
 
 

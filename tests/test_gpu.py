@@ -20,7 +20,7 @@ from cudal2.pipeline import Context, evaluate, measure_baselines
 from cudal2.problem import Problem
 from cudal2.render import get_template, render, template_candidate
 from cudal2.runtime import DispatchTable
-from cudal2.verify import Kernel, Numerics, Operands, compare, trusted_error
+from cudal2.verify import Kernel, Numerics, Operands, Rejected, checked_call, compare, trusted_error
 from cudal2.baselines import cublas_gemm
 from cudal2.worker import Worker
 
@@ -37,6 +37,18 @@ SHAPES = sorted({(v, 128, 256) for v in DIMS} | {(128, v, 256) for v in DIMS}
 CONFIGS = ({}, {"block_m": "64", "block_n": "32", "block_k": "64", "warps_m": "2", "warps_n": "1", "stages": "3",
                 "epilogue": "direct"})
 SPLIT_CONFIGS = ({"block_m": "16", "block_n": "64", "warps_m": "1", "warps_n": "2", "split_k": "4"}, {"split_k": "8"})
+
+
+def call_failure(kernel: Kernel, ops: Operands, stream, rng) -> str:
+    """One call of `kernel` on fresh normal inputs, checked as the verifier checks a call
+    (verify.checked_call: returns 0, C within the tolerance of the fp32 reference, nothing
+    written outside C, A and B intact): '' if right, else what was wrong."""
+    ops.fill("normal", rng)
+    try:
+        checked_call(ops, kernel, stream, rng, "normal inputs", cublas_gemm(ops.problem, stream))
+    except Rejected as r:
+        return f"{r.status}: {r}"
+    return ""
 
 
 def template_failures(compiler, template: str, configs, shapes, dtype: str, layout: str, seed: int,
@@ -58,15 +70,8 @@ def template_failures(compiler, template: str, configs, shapes, dtype: str, layo
             kernel = Kernel(str(build.library))
             for m, n, k in shapes:
                 problem = Problem(m, n, k, dtype, layout)
-                ops = Operands(problem, 0, num)
-                ops.fill("normal", rng)
-                ops.poison(rng)
-                code = ops.call(kernel, stream)
-                stream.synchronize()
-                ref = ops.reference()
-                err, tol, why = compare(ops.c, ref, num, trusted_error(ops, ref, cublas_gemm(problem, stream)))
-                if code != 0 or why or ops.stray_writes() or not ops.inputs_intact():
-                    failures.append(f"{cand} {problem}: code {code} {why}")
+                if why := call_failure(kernel, Operands(problem, 0, num), stream, rng):
+                    failures.append(f"{cand} {problem}: {why}")
             for m, n, k in declined:
                 if Operands(Problem(m, n, k, dtype, layout), 0, num).call(kernel, stream) == 0:
                     failures.append(f"{cand} {m}x{n}x{k}: ran a shape it cannot")
@@ -155,15 +160,8 @@ def test_sm90_cutlass_is_correct_on_odd_and_unaligned_shapes(sm90_builds, index)
                 if kernel.workspace_bytes(m, n, k) != expected:
                     failures.append(f"{cand} {problem}: workspace {kernel.workspace_bytes(m, n, k)}, "
                                     f"not {slices} slices ({expected})")
-            ops = Operands(problem, kernel.workspace_bytes(m, n, k), num)
-            ops.fill("normal", rng)
-            ops.poison(rng)
-            code = ops.call(kernel, stream)
-            stream.synchronize()
-            ref = ops.reference()
-            err, tol, why = compare(ops.c, ref, num, trusted_error(ops, ref, cublas_gemm(problem, stream)))
-            if code != 0 or why or ops.stray_writes() or not ops.inputs_intact():
-                failures.append(f"{cand} {problem}: code {code} {why}")
+            if why := call_failure(kernel, Operands(problem, kernel.workspace_bytes(m, n, k), num), stream, rng):
+                failures.append(f"{cand} {problem}: {why}")
     assert not failures, "\n".join(failures)
 
 

@@ -14,7 +14,6 @@ import torch.nn.functional as F  # noqa: E402
 
 import cudal2.torch as ops  # noqa: E402
 from cudal2.errors import Cudal2Error  # noqa: E402
-from cudal2.runtime import DispatchTable  # noqa: E402
 
 from conftest import ROOT  # noqa: E402
 
