@@ -38,6 +38,18 @@ PROPOSAL_WAIT_S = 60.0
 # proposes `batch` x SCREEN candidates, screens them all and confirms the best 1 / SCREEN
 # of them by the full protocol.
 SCREEN = 8
+# What one kernel's verification costs (verify.py), before a session of this run has measured
+# it: a fixed part (15-19 ms on the H200 for problems whose products take microseconds) and
+# its fp32 reference products (nine of the problem's size; cuBLAS's fp32 GEMM runs about 13x
+# the time of the fp16 call: the H200's dense fp16 rate over its fp32 rate) and about 16 calls
+# of the kernel, each priced at the fastest library call's time.
+VERIFY_FIXED_S, VERIFY_REFERENCES, FP32_SLOWDOWN, VERIFY_CALLS = 0.02, 9, 13.0, 16
+
+
+def verification_s(call_us: float | None) -> float:
+    """Seconds one kernel's verification is expected to take, given the problem's fastest
+    library call (us; None: unknown, the fixed part alone)."""
+    return VERIFY_FIXED_S + (call_us or 0.0) * 1e-6 * (VERIFY_REFERENCES * FP32_SLOWDOWN + VERIFY_CALLS)
 
 
 @dataclass(frozen=True)
@@ -233,10 +245,11 @@ class ShapeRun:
         # Seconds a kernel takes on the GPU, from this run's latest session (at first, the
         # baselines' session): a time budget is spent in sessions that fit it.
         self.per_kernel_s = 0.0
-        self.per_screen_s = 0.0  # the same, of a screening session (none yet: the first screens all)
-        # Seconds the full protocol takes to confirm one screened kernel (its methods' timing
-        # budgets, until a session of one kernel is seen): screening leaves that much of a
-        # time budget, so that a shape's run ends near its budget, not a confirmation past it.
+        self.per_screen_s = 0.0  # the same, of a screening session (until one ran: a verification's expected time)
+        # Seconds the full protocol takes to confirm one screened kernel (its verification and
+        # its methods' timing budgets, until a session of one kernel is seen): screening leaves
+        # that much of a time budget, so that a shape's run ends near its budget, not a
+        # confirmation past it. Set with the baselines (the verification's part needs their time).
         self.confirm_s = 2 * ctx.settings.budget
         self.number = next(_RUNS)  # its compiles behind the GPU go before an earlier run's
         self.ended = threading.Event()  # the run is over: its proposal thread starts no compile
@@ -274,6 +287,11 @@ class ShapeRun:
         column = f"{self.ctx.mode}_us"
         fastest = min((r for r in rows if r.get(column) is not None), key=lambda r: r[column], default=None)
         self.out.baseline, self.out.baseline_us = (fastest["kernel"], fastest[column]) if fastest else (None, None)
+        # Until a session measures them: a screened kernel costs its verification (a problem of
+        # seconds-long fp32 references screens few kernels in a short budget, not a session of
+        # as many as memory holds), and a confirmation that too beside its timing.
+        self.per_screen_s = verification_s(self.out.baseline_us)
+        self.confirm_s += self.per_screen_s
         self.emit("baseline", {"us": self.out.baseline_us, "name": self.out.baseline})
 
     def _batches(self, pool: ThreadPoolExecutor) -> None:

@@ -153,15 +153,39 @@ def test_loop_measures_batches_records_rows_and_exports_the_best(tmp_path, compi
 
 class PacedWorker(StandInWorker):
     """A stand-in whose sessions take time on `clock` (the loop's clock, nothing else moving
-    it): a screening session 0.05 s a kernel, a session of the full protocol 0.4 s."""
+    it): a screening session `screen_s` a kernel, a session of the full protocol 0.4 s; the
+    fastest library call takes `call_us`."""
 
-    def __init__(self, clock: list[float]):
+    def __init__(self, clock: list[float], screen_s: float = 0.05, call_us: float = 95.0):
         super().__init__()
-        self.clock = clock
+        self.clock, self.screen_s, self.call_us = clock, screen_s, call_us
+
+    def request(self, job, timeout):
+        if job["op"] == "baselines":
+            return {"status": "ok", "errors": {"cuBLAS": (1e-4, 1e-3), "cuBLASLt": (1e-4, 1e-3)},
+                    "timings": both_methods(cuBLAS=self.call_us * 1.05, cuBLASLt=self.call_us),
+                    "cublaslt": job.get("cublaslt") or {"index": 3, "of": 8}}
+        return super().request(job, timeout)
 
     def measure(self, job, libraries, timeout, screen=False):
-        self.clock[0] += 0.05 * len(libraries) if screen else 0.4
+        self.clock[0] += self.screen_s * len(libraries) if screen else 0.4
         return super().measure(job, libraries, timeout, screen)
+
+
+def paced_run(tmp_path, compiler, monkeypatch, worker: PacedWorker, budget_s: float):
+    """optimize() of 256^3 with `worker`, its clock the loop's, four kernels a batch screened
+    and the best confirmed, under `budget_s` (the protocol's timing budget 0.2 s a method)."""
+    import sys
+    import time as real
+    from types import SimpleNamespace
+
+    loop = sys.modules["cudal2.optimize"]  # (the package's `optimize` is the function)
+    monkeypatch.setattr(loop, "time", SimpleNamespace(monotonic=lambda: worker.clock[0], sleep=real.sleep))
+    settings = Settings(results=tmp_path / "results", budget=0.2)
+    ctx = Context(Problem(256, 256, 256), settings, worker, compiler, Leaderboard(settings.results), "run-1",
+                  proposer="search", libraries=STAND_IN_LIBRARIES)
+    compiler.compile_all([render(c, ctx.problem) for c in sm80_search().propose(ctx.problem, [], 8)])
+    return optimize(ctx, sm80_search(), Budget(iterations=5, batch=1, screen=4, time_s=budget_s, patience=None))
 
 
 @pytest.mark.parametrize("budget_s, sessions", [(1.0, [4, 1]), (1.12, [4, 1, 2, 1]), (1.3, [4, 1, 4, 1])])
@@ -172,22 +196,26 @@ def test_screening_under_a_time_budget_leaves_the_time_of_the_confirmation(tmp_p
     timing budget each) take 0.6 s, and a batch is begun only while its confirmation would
     still end within the budget, and screens no more than leaves its time: 1.0 s holds one
     batch, 1.12 s a second that screens two kernels, 1.3 s two whole batches."""
-    import sys
-    import time as real
-    from types import SimpleNamespace
-
-    clock = [0.0]
-    loop = sys.modules["cudal2.optimize"]  # (the package's `optimize` is the function)
-    monkeypatch.setattr(loop, "time", SimpleNamespace(monotonic=lambda: clock[0], sleep=real.sleep))
-    worker = PacedWorker(clock)
-    settings = Settings(results=tmp_path / "results", budget=0.2)
-    ctx = Context(Problem(256, 256, 256), settings, worker, compiler, Leaderboard(settings.results), "run-1",
-                  proposer="search", libraries=STAND_IN_LIBRARIES)
-    compiler.compile_all([render(c, ctx.problem) for c in sm80_search().propose(ctx.problem, [], 8)])
-    out = optimize(ctx, sm80_search(), Budget(iterations=5, batch=1, screen=4, time_s=budget_s, patience=None))
+    worker = PacedWorker([0.0])
+    out = paced_run(tmp_path, compiler, monkeypatch, worker, budget_s)
     assert worker.sessions == sessions and worker.screens == [True, False] * (len(sessions) // 2), worker.sessions
     assert out.stopped == "time budget spent" and out.best is not None
     assert out.wall_s <= budget_s, out.wall_s
+
+
+def test_a_problem_whose_verification_takes_seconds_screens_what_the_budget_holds(tmp_path, compiler, monkeypatch):
+    """Before any session has measured a screened kernel's time, it is expected to cost its
+    verification: 2.7 s where the library call takes 20 ms (fp32 references of the problem's
+    size), so under a 6 s budget the first screening session holds one kernel, not the four
+    of the batch (which would take 10 s); each batch then screens what its measured time and
+    the confirmation leave, and the run ends within the budget."""
+    from cudal2.optimize import verification_s
+
+    assert 0.015 <= verification_s(None) <= verification_s(5.0) < 0.03 < 2.0 < verification_s(20000.0) < 3.5
+    worker = PacedWorker([0.0], screen_s=2.5, call_us=20000.0)
+    out = paced_run(tmp_path, compiler, monkeypatch, worker, 6.0)
+    assert worker.sessions == [1, 1, 1, 1] and worker.screens == [True, False, True, False], worker.sessions
+    assert out.stopped == "time budget spent" and out.wall_s <= 6.0, out.wall_s
 
 
 def test_a_batch_is_timed_in_one_session_and_a_time_budget_in_sessions_that_fit_it(tmp_path, compiler):
