@@ -2,7 +2,7 @@
 # The GPU-side checks and measurements, in one command for a machine with a GPU:
 #   scripts/gpu_session.sh tests   -> pytest -m gpu
 #   scripts/gpu_session.sh bench   -> cudal2 bench at 4096^3 and 8192^3 (defaults, cuBLAS, torch)
-#   scripts/gpu_session.sh devset  -> cudal2 bench on every row of shapes/dev.csv (DEVSET=path)
+#   scripts/gpu_session.sh devset  -> cudal2 bench on every row of tests/shapes/dev.csv (DEVSET=path)
 #   scripts/gpu_session.sh devset-remeasure -> every dev row's best kernels (TOP per protocol) measured by
 #     this version's protocol, then scripts/remeasure.py (an independent check) on the same rows
 #   scripts/gpu_session.sh protocol-probe -> scripts/protocol_probe.py on dev rows ROWS (0-based, 0,1,2,3,4,5;
@@ -39,31 +39,31 @@ for stage in "$@"; do
       cudal2 bench --m 4096 --n 4096 --k 4096 --results "$results" 2>&1 | tee "$out/bench-4096.txt"
       cudal2 bench --m 8192 --n 8192 --k 8192 --results "$results" 2>&1 | tee "$out/bench-8192.txt" ;;
     devset)  # every row of the shared dev shape set, default configurations: one JSON line per row
-      tail -n +2 "${DEVSET:-../shared/shapes/dev.csv}" | while IFS=, read -r m n k dtype layout group; do
+      tail -n +2 "${DEVSET:-tests/shapes/dev.csv}" | while IFS=, read -r m n k dtype layout group; do
         cudal2 bench --m "$m" --n "$n" --k "$k" --dtype "$dtype" --layout "$layout" --budget 0.3 \
           --results "$results" --json | oneline
       done 2>&1 | tee "$out/devset.jsonl" ;;
     devset-remeasure)  # the leaderboard's TOP (1) best kernels of every dev row under each protocol, measured
       # by this protocol (cudal2 bench --top), then the independent check (scripts/remeasure.py)
-      tail -n +2 "${DEVSET:-../shared/shapes/dev.csv}" | sed -n "${DEVSET_ROWS:-p}" \
+      tail -n +2 "${DEVSET:-tests/shapes/dev.csv}" | sed -n "${DEVSET_ROWS:-p}" \
         | while IFS=, read -r m n k dtype layout group; do
         cudal2 bench --m "$m" --n "$n" --k "$k" --dtype "$dtype" --layout "$layout" --top "${TOP:-1}" \
           --budget "${BUDGET:-0.3}" --results "$results" --json | oneline
       done 2>&1 | tee "$out/devset-remeasure.jsonl"
-      python3 scripts/remeasure.py "${DEVSET:-../shared/shapes/dev.csv}" "$results" --calls "${CALLS:-60}" --out "$out/remeasure.json" \
+      python3 scripts/remeasure.py "${DEVSET:-tests/shapes/dev.csv}" "$results" --calls "${CALLS:-60}" --out "$out/remeasure.json" \
         2>"$out/remeasure.log" | tee "$out/remeasure.md" ;;
     protocol-probe)  # the protocol's times in variants where the independent check disagrees (scripts/protocol_probe.py)
       # with the SM clock and power logged beside it (nvidia-smi, every 50 ms)
       nvidia-smi --query-gpu=timestamp,clocks.sm,power.draw,temperature.gpu --format=csv,noheader -lms 50 \
         > "$out/clocks.csv" 2>/dev/null & smi=$!
-      python3 scripts/protocol_probe.py "${DEVSET:-../shared/shapes/dev.csv}" "$results" --rows "${ROWS:-0,1,2,3,4,5}" ${PROBE_ARGS:-} \
+      python3 scripts/protocol_probe.py "${DEVSET:-tests/shapes/dev.csv}" "$results" --rows "${ROWS:-0,1,2,3,4,5}" ${PROBE_ARGS:-} \
         --out "$out/protocol-probe.json" 2>&1 | tee "$out/protocol-probe.md"
       kill "$smi" ;;
     winners)  # use the winners on this GPU: examples/hf_llama.py (tune, export, patch; eager and in graphs)
       python3 examples/hf_llama.py --layers "${LAYERS:-2}" --tune "--iterations ${ITERATIONS:-1} --batch 4" \
         --results "$results" --library "$out/hf-llama-library" --json "$out/hf-llama.json" 2>&1 | tee "$out/hf-llama.md" ;;
     devset-optimize)  # the search proposer on every row (warm-started from the leaderboard)
-      tail -n +2 "${DEVSET:-../shared/shapes/dev.csv}" | sed -n "${DEVSET_ROWS:-p}" \
+      tail -n +2 "${DEVSET:-tests/shapes/dev.csv}" | sed -n "${DEVSET_ROWS:-p}" \
         | while IFS=, read -r m n k dtype layout group; do
         cudal2 optimize --m "$m" --n "$n" --k "$k" --dtype "$dtype" --layout "$layout" \
           ${OPTIMIZE:---iterations 2 --batch 8 --patience 1 --budget 0.2} --results "$results" --json \
