@@ -27,6 +27,7 @@ from .propose import Proposer, from_proposer
 from .protocol import BASELINES, PROTOCOL, SCREEN_PROTOCOL, SCREENED, best_row
 from .render import get_template, render
 from .runtime import export_best
+from .worker import SOAK_S, SOAK_US
 
 
 # When the time budget ends before any kernel is verified (the baselines' session alone can
@@ -289,9 +290,10 @@ class ShapeRun:
         self.out.baseline, self.out.baseline_us = (fastest["kernel"], fastest[column]) if fastest else (None, None)
         # Until a session measures them: a screened kernel costs its verification (a problem of
         # seconds-long fp32 references screens few kernels in a short budget, not a session of
-        # as many as memory holds), and a confirmation that too beside its timing.
+        # as many as memory holds), and a confirmation that too beside its timing (and the
+        # soak that long calls are timed after).
         self.per_screen_s = verification_s(self.out.baseline_us)
-        self.confirm_s += self.per_screen_s
+        self.confirm_s += self.per_screen_s + (SOAK_S if (self.out.baseline_us or 0.0) >= SOAK_US else 0.0)
         self.emit("baseline", {"us": self.out.baseline_us, "name": self.out.baseline})
 
     def _batches(self, pool: ThreadPoolExecutor) -> None:
