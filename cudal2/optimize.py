@@ -497,7 +497,7 @@ class ShapeRun:
         passed = []
         for session in self._sessions(items, screen=True, reserve=self.confirm_s):
             left = self._time_left(self.confirm_s)  # what the confirmation leaves of the budget
-            if left is not None and (left <= 0 or left < self.per_screen_s) and (self.verified or passed):
+            if left is not None and left < self.per_screen_s and (self.verified or passed):
                 break
             self.seen_binaries.update(b for item in session if (b := binaries[item.source]) is not None)
             for item, row in zip(session, self._measure_session(session, screen=True), strict=True):

@@ -7,6 +7,7 @@ that owns the GPU. Each check names the cheat it closes (DESIGN.md, "Verify").
 from __future__ import annotations
 
 import ctypes
+import functools
 import os
 import time
 from dataclasses import dataclass
@@ -143,14 +144,10 @@ extern "C" __global__ void cudal2_changes(const unsigned int* now, const unsigne
 _CHECK_BLOCKS, _CHECK_THREADS = 1024, 256
 
 
+@functools.cache
 def _checks_module(cupy):
-    global _MODULE
-    if _MODULE is None:
-        _MODULE = cupy.RawModule(code=_CHECKS_SOURCE, options=("--std=c++17",))
-    return _MODULE
-
-
-_MODULE = None
+    """The checks' kernels, compiled once a process (NVRTC)."""
+    return cupy.RawModule(code=_CHECKS_SOURCE, options=("--std=c++17",))
 
 
 class Kernel:
