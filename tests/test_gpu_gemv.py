@@ -27,6 +27,11 @@ CONFIGS = ({}, {"tile_rows": "32", "warps": "4", "unroll": "1"},
 # 8 warps.
 SPLIT_CONFIGS = ({"tile_rows": "64", "warps": "4", "unroll": "1", "split_k": "2"},
                  {"warps": "8", "unroll": "2", "split_k": "2"})
+# sm_90: bulk loads into a shared-memory ring (nt, and N <= 8 transposed; other problems take
+# the register path in the same build): the default (1,024 K a stage), 32-row tiles with one step
+# a warp in three stages, and a deep ring of two-warp stages that wraps around many times.
+BULK_CONFIGS = ({"loads": "bulk"}, {"loads": "bulk", "tile_rows": "32", "warps": "4", "unroll": "1", "stages": "3"},
+                {"loads": "bulk", "warps": "2", "unroll": "2", "stages": "8"})
 # Decode shapes (M <= 8), odd ones (K or N not a multiple of 8, partial tiles and steps), and
 # N <= 8 run transposed (M large).
 SHAPES = [(1, 4096, 4096), (2, 6144, 4096), (4, 1024, 14336), (8, 4096, 1024), (1, 1, 1), (3, 1000, 1001),
@@ -39,7 +44,7 @@ UNSUPPORTED = [(9, 9, 64), (16, 4096, 4096)]
 @pytest.mark.parametrize("layout", ["nn", "nt"])
 def test_gemv_is_correct_on_decode_and_odd_shapes(compiler, dtype, layout):
     # neither side a few vectors (UNSUPPORTED): declined, nothing launched
-    configs = CONFIGS + (SPLIT_CONFIGS if gpu_cc() >= 90 else ())
+    configs = CONFIGS + (SPLIT_CONFIGS + BULK_CONFIGS if gpu_cc() >= 90 else ())
     failures = template_failures(compiler, "gemv", configs, SHAPES, dtype, layout, seed=4, declined=UNSUPPORTED)
     assert not failures, "\n".join(failures)
 
@@ -70,3 +75,23 @@ def test_gemv_passes_the_verifier(context):  # noqa: F811
     report = [(row["m"], row["n"], row["k"], row["status"], row.get("error")) for row in rows]
     assert [row["status"] for row in rows] == ["ok"] * len(VERIFIED), report
     assert all(row["kernel_us"] > 0 and row["graph_us"] > 0 and row["speedup_offline"] > 0 for row in rows), report
+
+
+def test_gemv_with_bulk_loads_passes_the_verifier(context):  # noqa: F811
+    """The bulk path (sm_90) through the verifier on the problems it serves (nt: one token and
+    eight, N <= 8 transposed, a K that ends in a partial stage, rows that end in a partial
+    tile), each a verified, measured row."""
+    if gpu_cc() < 90:
+        pytest.skip("bulk copies and transaction barriers: sm_90+")
+    problems = [Problem(1, 4096, 4096, "bf16", "nt"), Problem(8, 4104, 1160, "bf16", "nt"),
+                Problem(4096, 4, 4096, "fp16", "nt"), Problem(3, 1000, 14336, "fp16", "nt")]
+    ctx = context(problems[0])
+    rows = []
+    try:
+        for problem in problems:
+            ctx.problem, ctx.libraries = problem, None
+            rows += list(evaluate(ctx, [template_candidate("gemv", {"loads": "bulk"}, gpu_cc())]))
+    finally:
+        ctx.worker.close()
+    report = [(row["m"], row["n"], row["k"], row["status"], row.get("error")) for row in rows]
+    assert [row["status"] for row in rows] == ["ok"] * len(problems), report
