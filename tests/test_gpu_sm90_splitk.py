@@ -39,7 +39,12 @@ def build(compiler, params: dict, dtype: str, layout: str) -> Kernel:
     return Kernel(str(built.library))
 
 
-CASES = [("64x64", SMALL, *v) for v in VARIANTS] + [("128x128", LARGE, *v) for v in VARIANTS]
+# The same with a producer warp of its own (empty barriers per stage; 128x128 in three stages,
+# two CTAs an SM).
+SMALL_WARP = {**SMALL, "producer": "warp"}
+LARGE_WARP = {**LARGE, "stages": "3", "producer": "warp"}
+CASES = ([("64x64", SMALL, *v) for v in VARIANTS] + [("128x128", LARGE, *v) for v in VARIANTS]
+         + [("64x64-warp", SMALL_WARP, *v) for v in VARIANTS] + [("128x128-warp", LARGE_WARP, *v) for v in VARIANTS])
 
 
 @pytest.mark.parametrize("params, dtype, layout", [case[1:] for case in CASES], ids=["-".join(c[::2] + c[3:]) for c in CASES])
@@ -52,7 +57,7 @@ def test_gmma_split_k_passes_the_verifier_on_few_tile_long_k_shapes(compiler, pa
     # each takes an SM's shared memory and a cluster must find 8 free SMs in one GPC.
     tile = int(params["block_m"]) * int(params["block_n"])
     clusters = kernel.workspace_bytes(64, 64, 16384) // (tile * 4)
-    assert (clusters == 16) if params is SMALL else (8 <= clusters <= 16), clusters
+    assert (clusters == 16) if params in (SMALL, SMALL_WARP) else (8 <= clusters <= 16), clusters
     assert kernel.workspace_bytes(512, 256, 64) == 0  # one K tile: one cluster, nothing parked
 
 
@@ -81,5 +86,6 @@ def test_counters_reset_over_back_to_back_calls_graph_replays_and_other_shapes(c
     of different tile counts: every output is right (a counter left non-zero would make a
     cluster sum too early, or none at all), and two calls on the same inputs agree to the
     bit (the partial tiles are summed in a fixed order, whichever cluster arrives last)."""
-    failures = split_k_reset_failures(build(compiler, SMALL, "bf16", "nt"), seed=8)
-    assert not failures, "\n".join(failures)
+    for params in (SMALL, SMALL_WARP):
+        failures = split_k_reset_failures(build(compiler, params, "bf16", "nt"), seed=8)
+        assert not failures, "\n".join(failures)

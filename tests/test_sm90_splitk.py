@@ -44,11 +44,12 @@ def test_it_serves_few_tiles_with_a_long_k_on_rows_tma_can_read():
 
 @pytest.mark.nvcc
 @pytest.mark.slow  # one CuTe TMA + GMMA build: about a minute of one core
-def test_two_warpgroup_n_major_configuration_builds_for_sm90a(compiler):
-    """fp16 nn reads B N-major (GMMA's transposed B) and a 128-row tile takes two warpgroups:
-    it builds without spills, imports only what a kernel may, and declares the dynamic shared
-    memory its space reckons."""
-    params = {"block_m": "128", "block_n": "128", "stages": "4", "split_k": "8", "k_clusters": "16"}
+@pytest.mark.parametrize("producer", ["thread", "warp"])
+def test_two_warpgroup_n_major_configuration_builds_for_sm90a(compiler, producer):
+    """fp16 nn reads B N-major (GMMA's transposed B) and a 128-row tile takes two warpgroups
+    (and, with producer=warp, a warp that issues the loads): it builds without spills, imports
+    only what a kernel may, and declares the dynamic shared memory its space reckons."""
+    params = {"block_m": "128", "block_n": "128", "stages": "4", "split_k": "8", "k_clusters": "16", "producer": producer}
     build = compiler.compile(render(template_candidate("sm90_splitk", params, 90), Problem(1, 1, 1, "fp16", "nn")))
     assert build.status == "ok", build.log[-3000:]
     assert {"cudal2_gemm", "cudal2_workspace_bytes"} <= set(build.exports)
