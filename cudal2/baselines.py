@@ -34,13 +34,10 @@ from .errors import Cudal2Error
 from .measure import graph_medians
 from .problem import Problem
 from .protocol import BASELINES as NAMES, OFFLINE_METHODS
-from .verify import Kernel, Rejected
+from .verify import Kernel, Rejected, cublas_product
 
 LT_ALGOS = 32  # heuristic results timed by the autotuning
 LT_FIELDS = ("algo", "tile", "stages", "splitk", "reduction", "swizzle", "custom", "cluster")
-
-CUDA_R_16F, CUDA_R_16BF = 2, 14
-CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT = 68, -1
 
 
 # ------------------------------------------------------------------ built on the host
@@ -99,29 +96,11 @@ def build_baselines(compiler: Compiler, problem: Problem) -> dict[str, str]:
 # ---------------------------------------------------------- called in the GPU worker
 
 def cublas_gemm(problem: Problem, stream):
-    """C = A @ B (or A @ W^T) through cublasGemmEx with fp32 compute: the cuBLAS baseline.
-
-    The returned function takes the shape from its arrays (A is M x K, C is M x N). cuBLAS
-    is column-major; a row-major C[M,N] is C^T in its eyes, so it computes C^T = B^T A^T:
-    (N x K)(K x M), with W's transpose taking op T.
-    """
-    import numpy as np
-    from cupy_backends.cuda.libs import cublas
-
-    import cupy
-
-    handle = cupy.cuda.device.get_cublas_handle()
-    dtype = CUDA_R_16F if problem.dtype == "fp16" else CUDA_R_16BF
-    alpha, beta = np.ones(1, np.float32), np.zeros(1, np.float32)
-    transposed = problem.layout == "nt"
+    """C = A @ B (or A @ W^T) through cublasGemmEx with fp32 compute (verify.cublas_product):
+    the cuBLAS baseline. The returned function takes the shape from its arrays."""
 
     def run(a, b, c) -> None:
-        (m, k), n = a.shape, c.shape[1]
-        op_b, ldb = (cublas.CUBLAS_OP_T, k) if transposed else (cublas.CUBLAS_OP_N, n)
-        cublas.setStream(handle, stream.ptr)
-        cublas.gemmEx(handle, op_b, cublas.CUBLAS_OP_N, n, m, k, alpha.ctypes.data,
-                      b.data.ptr, dtype, ldb, a.data.ptr, dtype, k, beta.ctypes.data,
-                      c.data.ptr, dtype, n, CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT)
+        cublas_product(problem, stream, a, b, c)
 
     return run
 

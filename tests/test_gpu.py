@@ -289,6 +289,31 @@ def test_operands_tell_a_write_outside_c_from_a_change_of_the_inputs_to_the_byte
     assert err == float("inf") and "1 of 561 outputs" in why and "[5, 3]" in why, why
 
 
+@pytest.mark.parametrize("dtype", ["fp16", "bf16"])
+@pytest.mark.parametrize("layout", ["nn", "nt"])
+def test_the_reference_is_the_fp32_product_of_the_inputs(dtype, layout):
+    """The verifier's reference (cuBLAS on the 16-bit inputs, fp32 out) agrees with an fp32
+    SGEMM on fp32 copies of the inputs to within fp32's own rounding of the sums, on every
+    input distribution (the accumulation pattern exactly) and odd shapes."""
+    import cupy
+
+    num, rng = Numerics(dtype), random.Random(11)
+    stream = cupy.cuda.Stream(non_blocking=True)
+    with stream:
+        for m, n, k in ((1, 1, 1), (17, 65, 63), (1000, 1000, 1000), (64, 4096, 8192)):
+            ops = Operands(Problem(m, n, k, dtype, layout), 0, num)
+            for distribution in ("normal", "uniform", "positive", "accumulation"):
+                ops.fill(distribution, rng)
+                a, b = num.f32(ops.a), num.f32(ops.b)
+                exact = a @ (b if layout == "nn" else b.T)
+                ours = ops.reference()
+                scale = float(cupy.abs(exact).max()) or 1.0
+                error = float(cupy.abs(ours - exact).max()) / scale
+                assert error <= 1e-5, (m, n, k, distribution, error)
+                if distribution == "accumulation":
+                    assert bool(cupy.array_equal(ours, exact)), (m, n, k)
+
+
 def test_kernels_timed_together_read_as_each_does_alone(context):
     """A batch's verified kernels share one session with the baselines (one set-up, one soak,
     the same rounds): against its own session's cuBLAS, each kernel reads within 5% of what
