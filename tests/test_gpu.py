@@ -5,6 +5,7 @@ cheat (memoised results included), the baselines and both timing methods hold, a
 from __future__ import annotations
 
 import json
+import math
 import os
 import random
 from pathlib import Path
@@ -309,7 +310,10 @@ def test_the_reference_is_the_fp32_product_of_the_inputs(dtype, layout):
                 ours = ops.reference()
                 scale = float(cupy.abs(exact).max()) or 1.0
                 error = float(cupy.abs(ours - exact).max()) / scale
-                assert error <= 1e-5, (m, n, k, distribution, error)
+                # Two fp32 sums of k products in different orders: each off by about sqrt(k)
+                # roundings (2^-24) of the scale (measured: 1.8e-5 at K 8192, positive inputs);
+                # a 16-bit output's rounding alone would be 2^-12 (bf16 2^-9) or more.
+                assert error <= 8 * math.sqrt(k) * 2.0**-24, (m, n, k, distribution, error)
                 if distribution == "accumulation":
                     assert bool(cupy.array_equal(ours, exact)), (m, n, k)
 
