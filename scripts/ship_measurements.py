@@ -1,7 +1,8 @@
 """Writes what the package keeps of past runs (cudal2/data/measurements.parquet: every
 verified template configuration's row, without logs or sources) from a results directory.
 
-    python scripts/ship_measurements.py [RESULTS_DIR]      (default: results)
+    python scripts/ship_measurements.py [RESULTS_DIR ...]      (default: results)
+    python scripts/ship_measurements.py --add RESULTS_DIR ...  (the shipped rows kept, these added)
 """
 
 from __future__ import annotations
@@ -10,20 +11,28 @@ import argparse
 import sys
 from pathlib import Path
 
+import pandas as pd
 import pyarrow.parquet as pq
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from cudal2.leaderboard import SHIPPED, Leaderboard, compact  # noqa: E402
+from cudal2.leaderboard import SHIPPED, Leaderboard, compact, shipped  # noqa: E402
 
 parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-parser.add_argument("results", type=Path, nargs="?", default=Path("results"))
+parser.add_argument("results", type=Path, nargs="*", default=[Path("results")])
+parser.add_argument("--add", action="store_true", help="keep the shipped rows and add these directories' rows")
+parser.add_argument("--to", type=Path, default=SHIPPED, help="the file written (default: the package's)")
 args = parser.parse_args()
-if not (args.results / "leaderboard").is_dir():
-    sys.exit(f"{args.results} holds no leaderboard: nothing to ship (the shipped file is left as it was)")
-table = compact(Leaderboard(args.results).read(protocol=None))
-if table.num_rows == 0:
-    sys.exit(f"{args.results}'s leaderboard has no verified template rows: the shipped file is left as it was")
-SHIPPED.parent.mkdir(parents=True, exist_ok=True)
-pq.write_table(table, SHIPPED, compression="zstd")
-print(f"{SHIPPED}: {table.num_rows} rows, {SHIPPED.stat().st_size / 1024:.0f} KiB")
+for results in args.results:
+    if not (results / "leaderboard").is_dir():
+        sys.exit(f"{results} holds no leaderboard: nothing to ship (the shipped file is left as it was)")
+frames = [Leaderboard(results).read(protocol=None) for results in args.results]
+added = compact(pd.concat(frames, ignore_index=True)).num_rows
+if added == 0:
+    sys.exit(f"{', '.join(map(str, args.results))}: no verified template rows; the shipped file is left as it was")
+if args.add:
+    frames.insert(0, shipped(protocol=None, path=args.to))
+table = compact(pd.concat(frames, ignore_index=True))
+args.to.parent.mkdir(parents=True, exist_ok=True)
+pq.write_table(table, args.to, compression="zstd")
+print(f"{args.to}: {table.num_rows} rows ({added} from {len(args.results)} results directories), {args.to.stat().st_size / 1024:.0f} KiB")

@@ -230,3 +230,27 @@ def test_the_leaderboard_says_what_each_proposer_contributed(tmp_path):
     assert (by["llm"]["candidates"], by["llm"]["ok"], by["llm"]["best_speedup"]) == (2, 1, 1.1)
     assert by["llm"]["best_kernels"] == 1 and by["search"]["best_kernels"] == 1  # 4096^3 and 2048x4096x4096
     assert by["llm"]["llm_tokens"] == 16000 and by["search"]["llm_tokens"] == 0
+
+
+def test_ship_measurements_adds_new_results_to_what_was_shipped(tmp_path):
+    """A GPU session's results join the shipped file (--add) without losing what it held;
+    only verified template configurations are kept."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from cudal2.leaderboard import _read_part
+
+    first, second, out = tmp_path / "a", tmp_path / "b", tmp_path / "shipped.parquet"
+    Leaderboard(first).append([row("old", 1.1, template="sm80_mma", params='{"split_k": 1}')])
+    Leaderboard(second).append([row("new", 1.3, template="gemv", params='{"loads": "bulk"}'),
+                                row("cuBLAS", 1.0), row("bad", None, status="wrong", template="gemv", params="{}")])
+    script = [sys.executable, str(Path(__file__).resolve().parent.parent / "scripts" / "ship_measurements.py")]
+    subprocess.run([*script, str(first), "--to", str(out)], check=True, capture_output=True)
+    assert list(_read_part(out).to_pandas()["kernel"]) == ["old"]
+    done = subprocess.run([*script, "--add", str(second), "--to", str(out)], check=True, capture_output=True, text=True)
+    assert sorted(_read_part(out).to_pandas()["kernel"]) == ["new", "old"], done.stdout
+    assert pq.read_schema(out).names == COLUMNS
+    refused = subprocess.run([*script, "--add", str(tmp_path / "none"), "--to", str(out)], capture_output=True, text=True)
+    assert refused.returncode != 0 and "no leaderboard" in refused.stderr
+    assert len(_read_part(out).to_pandas()) == 2  # left as it was

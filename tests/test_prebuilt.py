@@ -167,6 +167,8 @@ def test_the_cli_lists_the_h200_set_from_the_shipped_measurements(tmp_path, some
     assert out.exit_code == 0, out.output
     listed = json.loads(out.stdout)
     assert "choosing the set: cost model ranking 1/" in out.stderr  # minutes of ranking are not silent
-    assert len(listed) > 50 and {r["kernel"].split("(")[0] for r in listed} == {"sm80_mma", "sm90_cutlass"}
+    families = {r["kernel"].split("(")[0] for r in listed}
+    # the measured winners' families (gemv where a decode shape was measured), nothing else
+    assert len(listed) > 50 and {"sm80_mma", "sm90_cutlass"} <= families <= {"sm80_mma", "sm90_cutlass", "gemv", "sm90_splitk"}
     none = CliRunner().invoke(app, ["prebuild", "--arch", "sm_100a", "--list", "--results", str(tmp_path)])
     assert none.exit_code != 0 and "no measurements" in none.output
