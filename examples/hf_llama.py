@@ -211,6 +211,8 @@ def main() -> None:
     parser.add_argument("--results", type=Path, default=None)
     parser.add_argument("--library", type=Path, default=Path("hf-llama-library"))
     parser.add_argument("--json", type=Path, default=None, help="also write the numbers here")
+    parser.add_argument("--rounds", type=int, default=10,
+                        help="timed rounds of each step (4 calls a round, PyTorch's and cudal2's in turn); the median is shown")
     args = parser.parse_args()
 
     config = llama3_8b_config(args.layers)
@@ -246,7 +248,7 @@ def main() -> None:
             ref = runs[case]()
             error, own = relative_error(ours(), ref), relative_error(ref, exact())
             times = {(name, graph): t for graph in (False, True)
-                     for name, t in device_us({"torch": runs[case], "cudal2": ours}, graph).items()}
+                     for name, t in device_us({"torch": runs[case], "cudal2": ours}, graph, rounds=args.rounds).items()}
             predicted = predicted_speedup(times["torch", True], calls[case], library_us, tuned_us)
             row = {"case": str(case), "error": error, "bf16_vs_fp32": own, "predicted": predicted,
                    **{f"{name}_{'graph' if graph else 'eager'}_us": t for (name, graph), t in times.items()}}

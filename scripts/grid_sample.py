@@ -126,7 +126,7 @@ def main(argv: list[str] | None = None) -> None:
     d.add_argument("--results", type=Path, help="also leave out this results directory's problems")
     d.add_argument("--regime", choices=REGIMES, help="only shapes of this regime (cudal2/roofline.py)")
     r = sub.add_parser("report", help="summarise `cudal2 optimize --shapes ... --json` output")
-    r.add_argument("run", type=Path)
+    r.add_argument("run", type=Path, nargs="+", help="one run's output, or the parts of a sample run in several calls")
     c = sub.add_parser("compare", help="two `--json` runs over the same shapes: the short one's share of the long one's best")
     c.add_argument("short", type=Path)
     c.add_argument("long", type=Path)
@@ -138,7 +138,8 @@ def main(argv: list[str] | None = None) -> None:
     elif args.command == "compare":
         print(compare(json.loads(args.short.read_text()), json.loads(args.long.read_text())))
     else:
-        print(report(json.loads(args.run.read_text())))
+        runs = [json.loads(path.read_text()) for path in args.run]
+        print(report({"shapes": [shape for run in runs for shape in run["shapes"]]}))
 
 
 if __name__ == "__main__":

@@ -45,6 +45,24 @@ def test_the_report_gives_the_screened_distribution_and_the_shapes_left_without_
     assert "geomean 1.039" in text and "1 wins, 0 ties, 1 losses" in text
 
 
+def test_a_sample_run_in_parts_reports_as_one(tmp_path, capsys):
+    """A 100-shape run split over two device calls: `report a.json b.json` is the report of
+    the whole sample (one table, one summary)."""
+    import json
+
+    def part(path, *ms):
+        path.write_text(json.dumps({"shapes": [
+            {"problem": {"m": m, "n": 64, "k": 4096, "dtype": "fp16", "layout": "nn"}, "screened": 64,
+             "statuses": {"screened": 64, "ok": 1}, "first_verified_s": 1.0, "wall_s": 6.0,
+             "best": {"speedup_offline": 1.1}} for m in ms]}))
+        return str(path)
+
+    grid_sample.main(["report", part(tmp_path / "a.json", 64, 128), part(tmp_path / "b.json", 256)])
+    text = capsys.readouterr().out
+    assert "3 shapes in 0.3 min" in text and "| 256x64x4096 fp16 nn |" in text
+    assert "3 wins, 0 ties, 0 losses" in text
+
+
 def test_compare_gives_the_short_budgets_share_of_the_long_ones_best():
     def run(*bests):
         return {"shapes": [{"problem": {"m": m, "n": 64, "k": 4096, "dtype": "fp16", "layout": "nn"},
