@@ -203,6 +203,30 @@ def test_screening_under_a_time_budget_leaves_the_time_of_the_confirmation(tmp_p
     assert out.wall_s <= budget_s, out.wall_s
 
 
+class TimingRecorder(StandInWorker):
+    """A stand-in that records the seconds of timing per method each kernel's job asks for
+    (the baselines' own session is a short one, 0.2 s a method at most)."""
+
+    def __init__(self):
+        super().__init__()
+        self.timing: list[float] = []
+
+    def request(self, job, timeout):
+        if job["op"] == "kernel":
+            self.timing.append(job["settings"]["budget_s"])
+        return super().request(job, timeout)
+
+
+@pytest.mark.parametrize("time_s, per_method", [(None, 1.0), (60.0, 1.0), (5.0, 0.5), (2.0, 0.25)])
+def test_under_a_time_budget_each_method_is_timed_a_tenth_of_it(tmp_path, compiler, time_s, per_method):
+    """At --time-budget 5 a confirmation timed 1 s a method took half the shape's budget and
+    left a large problem room to screen one kernel: a time budget's methods are timed a tenth
+    of it (at least 0.25 s, at most the setting); without a budget, the setting."""
+    worker = TimingRecorder()
+    optimize(context(tmp_path, compiler, worker), sm80_search(), Budget(iterations=1, batch=1, time_s=time_s))
+    assert worker.timing and set(worker.timing) == {per_method}, worker.timing
+
+
 def test_a_problem_whose_verification_takes_seconds_screens_what_the_budget_holds(tmp_path, compiler, monkeypatch):
     """Before any session has measured a screened kernel's time, it is expected to cost its
     verification: 0.5 s where the library call takes 20 ms (references and calls of the
