@@ -211,7 +211,7 @@ def main() -> None:
     parser.add_argument("--results", type=Path, default=None)
     parser.add_argument("--library", type=Path, default=Path("hf-llama-library"))
     parser.add_argument("--json", type=Path, default=None, help="also write the numbers here")
-    parser.add_argument("--rounds", type=int, default=10,
+    parser.add_argument("--rounds", type=int, default=30,
                         help="timed rounds of each step (4 calls a round, PyTorch's and cudal2's in turn); the median is shown")
     args = parser.parse_args()
 
