@@ -287,6 +287,7 @@ class StandInChild:
         self.name, self.answer, self.log, self.environment = name, answer, log, {"gpu": "stand-in"}
 
     def start(self):
+        self.log.append((self.name, "start", None))
         return self.environment
 
     def request(self, job, timeout):
@@ -304,6 +305,28 @@ def two_phase_worker(graph_answer, cupti_answer):
     worker._graph = StandInChild("graph", graph_answer, log)
     worker._cupti = StandInChild("cupti", cupti_answer, log)
     return worker, log
+
+
+def test_a_worker_starts_both_processes_before_any_session_and_a_failed_start_leaves_neither():
+    """A tuning run's first shape pays no process's start-up out of its time budget (on the
+    H200 the CUPTI process, started inside the first shape's baselines, took 10.8-13.8 s of a
+    5 s budget): Worker.start() starts the graph and the CUPTI processes; where one cannot
+    start, both are closed and its error is raised."""
+    from cudal2.errors import Cudal2Error
+
+    worker, log = two_phase_worker(lambda j: {"status": "ok"}, lambda j: {"status": "ok"})
+    assert worker.start() == {"gpu": "stand-in"}
+    assert sorted(entry[:2] for entry in log) == [("cupti", "start"), ("graph", "start")]
+
+    worker, log = two_phase_worker(lambda j: {"status": "ok"}, lambda j: {"status": "ok"})
+
+    def fails():
+        raise Cudal2Error("the GPU worker exited as it started")
+
+    worker._cupti.start = fails
+    with pytest.raises(Cudal2Error, match="exited as it started"):
+        worker.start()
+    assert ("graph", "close", None) in log and ("cupti", "close", None) in log
 
 
 def job(protocol="cupti-graph-3", op="kernels", kernels=1):
