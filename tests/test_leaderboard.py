@@ -192,6 +192,17 @@ def test_the_search_starts_from_this_gpu_s_measurements_here_and_shipped(tmp_pat
     assert len(found) - len(mine) == len(ours[ours["gpu"] == "NVIDIA H200"].drop_duplicates(
         ["m", "n", "k", "dtype", "layout", "template", "params"]))
     assert priors(lb.read(), "NVIDIA B200") == []
+    # made once per process from the shipped file, yet each call's rows are its own
+    kernel = found[-1]["kernel"]
+    found[-1]["kernel"] = "changed by a caller"
+    again = priors(lb.read(), "NVIDIA H200")
+    assert len(again) == len(found) and again[-1]["kernel"] == kernel
+    # without this directory's rows: the shipped ones alone, best first, as they came beside them
+    alone = priors(Leaderboard(tmp_path / "empty").read(), "NVIDIA H200")
+    key = ["m", "n", "k", "dtype", "layout", "template", "params"]
+    assert [[r[c] for c in key] for r in alone] == [[r[c] for c in key] for r in again if r["m"] != 300]
+    speedups = [r["speedup_offline"] for r in alone]
+    assert speedups == sorted(speedups, reverse=True)
 
 
 def test_a_fresh_machine_re_measures_what_was_shipped_for_its_gpu(tmp_path):
