@@ -17,7 +17,7 @@ import pandas as pd
 
 from .environment import dram_bandwidth, tensor_peak
 from .problem import Problem
-from .protocol import PROTOCOL
+from .protocol import PROTOCOL, SCREENED
 from .render import Template, load_templates, recorded_params
 
 LAUNCH_US = 2.0  # a launch and its tail, measured: cuBLAS 64^3 takes ~2-3 us back to back
@@ -185,21 +185,24 @@ def recorded_device(df: pd.DataFrame, gpu: str) -> dict[str, Any]:
     return {"gpu": gpu, **device}
 
 
-def measured_configurations(df: pd.DataFrame, gpu: str) -> dict[Problem, dict[tuple[str, str], float]]:
+def measured_configurations(df: pd.DataFrame, gpu: str, screened: bool = False) -> dict[Problem, dict[tuple[str, str], float]]:
     """What the leaderboard says about the template configurations on one GPU: per problem,
     (template, params JSON of today's space) -> best offline speedup measured. Speedups of
     one problem are compared within one bench protocol (the `protocol` column): the one with
     the most configurations measured, this version's on a tie. (Configurations are only
-    compared with each other: the ratio between two kernels of one protocol.)"""
+    compared with each other: the ratio between two kernels of one protocol.) `screened`:
+    the screening pass's rows and their graph ratio instead (a time-budgeted run screens 64
+    configurations a shape and confirms one: its screened rows are what ranks them)."""
     templates = load_templates()
-    ok = df[(df["status"] == "ok") & df["template"].isin(list(templates)) & (df["gpu"] == gpu)
-            & df["speedup_offline"].notna()]
+    status, column = (SCREENED, "speedup_graph") if screened else ("ok", "speedup_offline")
+    ok = df[(df["status"] == status) & df["template"].isin(list(templates)) & (df["gpu"] == gpu)
+            & df[column].notna()]
     by_protocol: dict[Problem, dict[str, dict[tuple[str, str], float]]] = {}
     for row in ok.to_dict("records"):
         if (params := recorded_params(row, templates)) is not None:
             problem = Problem(int(row["m"]), int(row["n"]), int(row["k"]), row["dtype"], row["layout"])
             key = (row["template"], json.dumps(params, sort_keys=True))
             speedups = by_protocol.setdefault(problem, {}).setdefault(row["protocol"], {})
-            speedups[key] = max(speedups.get(key, 0.0), float(row["speedup_offline"]))
+            speedups[key] = max(speedups.get(key, 0.0), float(row[column]))
     return {problem: max(protocols.items(), key=lambda e: (len(e[1]), e[0] == PROTOCOL))[1]
             for problem, protocols in by_protocol.items()}

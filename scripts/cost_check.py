@@ -2,8 +2,9 @@
 with at least 6 measured template configurations on one GPU, the best measured speedup
 among the model's top 1 and top 3 over the best measured, and the rank correlation.
 
-    python scripts/cost_check.py [RESULTS_DIR or -] [GPU]
-      (default: the measurements shipped in the package, cudal2/data/; NVIDIA H200)
+    python scripts/cost_check.py [RESULTS_DIR or -] [GPU] [--screened]
+      (default: the measurements shipped in the package, cudal2/data/; NVIDIA H200;
+       --screened: a time-budgeted run's screened rows, ranked by their graph ratio)
 """
 
 from __future__ import annotations
@@ -18,12 +19,13 @@ from cudal2.cost import measured_configurations, predict_us, recorded_device
 from cudal2.leaderboard import Leaderboard, shipped
 from cudal2.render import get_template
 
-gpu = sys.argv[2] if len(sys.argv) > 2 else "NVIDIA H200"
-df = Leaderboard(Path(sys.argv[1])).read(protocol=None) if len(sys.argv) > 1 and sys.argv[1] != "-" else shipped(None)
-ok = df[(df["status"] == "ok") & (df["gpu"] == gpu)]
+screened = "--screened" in sys.argv
+args = [a for a in sys.argv[1:] if a != "--screened"]
+gpu = args[1] if len(args) > 1 else "NVIDIA H200"
+df = Leaderboard(Path(args[0])).read(protocol=None) if args and args[0] != "-" else shipped(None)
 device = recorded_device(df, gpu)
 top1, top3, rhos = [], [], []
-for problem, measured in sorted(measured_configurations(df, gpu).items(), key=lambda e: (e[0].m, e[0].n, e[0].k)):
+for problem, measured in sorted(measured_configurations(df, gpu, screened).items(), key=lambda e: (e[0].m, e[0].n, e[0].k)):
     if len(measured) < 6:
         continue
     predicted = {key: predict_us(get_template(key[0]), json.loads(key[1]), problem, device) for key in measured}
@@ -36,6 +38,8 @@ for problem, measured in sorted(measured_configurations(df, gpu).items(), key=la
     rho = 1 - 6 * sum((i - place[key]) ** 2 for i, key in enumerate(by_model)) / (size * (size * size - 1))
     top1.append(a), top3.append(b), rhos.append(rho)
     print(f"{problem.m}x{problem.n}x{problem.k} {problem.dtype} {problem.layout}: {size} configurations, top 1 {a:.3f}, top 3 {b:.3f}, rank correlation {rho:+.2f}")
+if not top1:
+    sys.exit("no problem with 6 or more measured configurations" + ("" if screened else " (a time-budgeted run's: --screened)"))
 geomean = lambda values: math.exp(sum(map(math.log, values)) / len(values))
 print(f"{len(top1)} problems: geometric mean top 1 {geomean(top1):.3f}, top 3 {geomean(top3):.3f}, "
       f"mean rank correlation {statistics.mean(rhos):+.3f}")

@@ -1,3 +1,4 @@
+import json
 import math
 
 from cudal2.cost import predict_us, rank
@@ -146,6 +147,27 @@ def test_ranking_agrees_with_the_recorded_h200_measurements():
         assert max(measured[key] for key in ranked[:10]) >= 0.95 * max(measured.values()), problem
         checked += 1
     assert checked >= 5
+
+
+def test_a_time_budgeted_run_is_checked_by_its_screened_rows():
+    """A time-budgeted run confirms one configuration a shape and screens 64: its screened
+    rows (their graph ratio), not its confirmed ones, are what the model's ranking is checked
+    against; the confirmed ones are read as before."""
+    import pandas as pd
+
+    from cudal2.cost import measured_configurations
+    from cudal2.protocol import PROTOCOL, SCREEN_PROTOCOL, SCREENED
+
+    def row(status, protocol, tile_n, graph, offline):
+        return {"status": status, "protocol": protocol, "gpu": "NVIDIA H200", "template": "sm90_cutlass",
+                "params": json.dumps(sm90(tile_n=tile_n)), "m": 512, "n": 512, "k": 8192, "dtype": "fp16",
+                "layout": "nn", "speedup_graph": graph, "speedup_offline": offline}
+
+    df = pd.DataFrame([row(SCREENED, SCREEN_PROTOCOL, 128, 0.9, None), row(SCREENED, SCREEN_PROTOCOL, 256, 1.1, None),
+                       row("ok", PROTOCOL, 256, 1.08, 1.05)])
+    screened = measured_configurations(df, "NVIDIA H200", screened=True)[Problem(512, 512, 8192)]
+    assert sorted(screened.values()) == [0.9, 1.1]
+    assert list(measured_configurations(df, "NVIDIA H200")[Problem(512, 512, 8192)].values()) == [1.05]
 
 
 def test_slices_summed_in_a_fixed_order_wait_for_each_other():
