@@ -68,10 +68,9 @@ class Worker:
         taken from that shape's time budget."""
         with ThreadPoolExecutor(2) as pool:
             starts = [pool.submit(child.start) for child in (self._graph, self._cupti)]
-        failed = [f.exception() for f in starts if f.exception() is not None]
-        if failed:
+        if failed := next((error for f in starts if (error := f.exception()) is not None), None):
             self.close()
-            raise failed[0]
+            raise failed
         return self._graph.environment
 
     def request(self, job: dict[str, Any], timeout: float) -> dict[str, Any]:

@@ -3,13 +3,14 @@ grid CUDA-L2 tunes), and what a tuning run over them did.
 
     python3 scripts/grid_sample.py draw --count 100 --seed S [--results DIR] [--regime R] > shapes.csv
     cudal2 optimize --shapes shapes.csv --time-budget 5 --json > run.json
-    python3 scripts/grid_sample.py report run.json
+    python3 scripts/grid_sample.py report run.json [part2.json ...]   # a run made in several calls: one report
     python3 scripts/grid_sample.py compare short.json long.json   # the same shapes, two budgets
 
 `draw` leaves out every shape measured before: the project's test shape sets, the shipped
 measurements and, with --results, that leaderboard's problems; the same seed draws the same
-shapes; --regime keeps one regime's shapes (few-tile long-K, short-K: a regime's fresh set). `report` prints, per shape and over the set, the candidates screened and measured,
-the time to the first verified kernel, the wall time (and what 1,000 shapes would take at
+shapes; --regime keeps one regime's shapes (few-tile long-K, short-K: a regime's fresh set).
+`report` prints, per shape and over the set, the candidates screened and measured, the time
+to the first verified kernel, the wall time (and what 1,000 shapes would take at
 its mean) and the best speedup (by regime too). `compare` prints, per shape of two runs over
 the same shapes, each run's best speedup and their ratio, and over the set the geometric
 mean of the ratios and the shapes within 2%.
