@@ -493,7 +493,8 @@ class ShapeRun:
             if self.budget.screen > 1 and len(fresh) > 1:
                 fresh = self._screen(fresh, binaries, rows)
             for session in self._sessions(fresh):
-                if self._over_time() and self.verified:
+                # with a verified kernel, a session is begun only if it is expected to end within the budget
+                if self.verified and self._over_time(self._session_s(len(session))):
                     break
                 self.seen_binaries.update(b for item in session if (b := binaries[item.source]) is not None)
                 for row in self._measure_session(session):
@@ -608,6 +609,12 @@ class ShapeRun:
     def _over_time(self, reserve: float = 0.0) -> bool:
         """Whether the time budget is spent, or all but `reserve` seconds of it."""
         return self.budget.time_s is not None and time.monotonic() - self.start + reserve >= self.budget.time_s
+
+    def _session_s(self, kernels: int) -> float:
+        """Seconds a session of the full protocol of `kernels` is expected to take: at the
+        latest session's time per kernel, and at least a confirmation's (a session of one
+        costs its fixed part whole: after a session of two took 1.5 s, one took 1.3)."""
+        return max(self.confirm_s, kernels * self.per_kernel_s)
 
     def _reserve(self) -> float:
         """Seconds a batch keeps for its confirmation: none without screening."""

@@ -172,9 +172,10 @@ class PacedWorker(StandInWorker):
         return super().measure(job, libraries, timeout, screen)
 
 
-def paced_run(tmp_path, compiler, monkeypatch, worker: PacedWorker, budget_s: float):
+def paced_run(tmp_path, compiler, monkeypatch, worker: PacedWorker, budget_s: float, batch: int = 1):
     """optimize() of 256^3 with `worker`, its clock the loop's, four kernels a batch screened
-    and the best confirmed, under `budget_s` (the protocol's timing budget 0.2 s a method)."""
+    and the best quarter confirmed, under `budget_s` (the protocol's timing budget 0.2 s a
+    method)."""
     import sys
     import time as real
     from types import SimpleNamespace
@@ -184,8 +185,8 @@ def paced_run(tmp_path, compiler, monkeypatch, worker: PacedWorker, budget_s: fl
     settings = Settings(results=tmp_path / "results", budget=0.2)
     ctx = Context(Problem(256, 256, 256), settings, worker, compiler, Leaderboard(settings.results), "run-1",
                   proposer="search", libraries=STAND_IN_LIBRARIES)
-    compiler.compile_all([render(c, ctx.problem) for c in sm80_search().propose(ctx.problem, [], 8)])
-    return optimize(ctx, sm80_search(), Budget(iterations=5, batch=1, screen=4, time_s=budget_s, patience=None))
+    compiler.compile_all([render(c, ctx.problem) for c in sm80_search().propose(ctx.problem, [], max(8, 4 * batch))])
+    return optimize(ctx, sm80_search(), Budget(iterations=5, batch=batch, screen=4, time_s=budget_s, patience=None))
 
 
 @pytest.mark.parametrize("budget_s, sessions", [(1.0, [4, 1]), (1.12, [4, 1, 2, 1]), (1.3, [4, 1, 4, 1])])
@@ -201,6 +202,36 @@ def test_screening_under_a_time_budget_leaves_the_time_of_the_confirmation(tmp_p
     assert worker.sessions == sessions and worker.screens == [True, False] * (len(sessions) // 2), worker.sessions
     assert out.stopped == "time budget spent" and out.best is not None
     assert out.wall_s <= budget_s, out.wall_s
+
+
+class SessionPacedWorker(PacedWorker):
+    """A PacedWorker whose baselines take 0.7 s and whose protocol sessions take 0.3 s
+    plus 0.4 s a kernel (a session of two takes 1.1 s, 0.55 s a kernel, but one alone 0.7)."""
+
+    def request(self, job, timeout):
+        if job["op"] == "baselines":
+            self.clock[0] += 0.7
+        return super().request(job, timeout)
+
+    def measure(self, job, libraries, timeout, screen=False):
+        if not screen:
+            self.clock[0] += 0.3 + 0.4 * len(libraries) - 0.4  # (PacedWorker adds its 0.4)
+        return super().measure(job, libraries, timeout, screen)
+
+
+def test_with_a_verified_kernel_a_confirmation_session_is_begun_only_if_it_would_end_within_the_budget(
+        tmp_path, compiler, monkeypatch):
+    """On the H200 at --time-budget 5, shapes ran 5.8 s in the mean: after a confirmation of
+    two kernels (1.5 s) the last of the rung began in the 0.5-1 s left, on the two-kernel
+    session's time per kernel, and took 1.3 s. Here twelve kernels are screened (0.6 s after
+    the baselines' 0.7) and three confirmed: two in the first session (1.1 s), and the third
+    not begun in the 0.6 s left, since a session of one is expected to take a confirmation's
+    time (0.72 s: the methods' 0.4, the fixed 0.3, the verification), not 0.55."""
+    worker = SessionPacedWorker([0.0])
+    out = paced_run(tmp_path, compiler, monkeypatch, worker, 3.0, batch=3)
+    assert worker.sessions == [12, 2] and worker.screens == [True, False], worker.sessions
+    assert out.stopped == "time budget spent" and out.best is not None
+    assert out.wall_s <= 3.0, out.wall_s
 
 
 class TimingRecorder(StandInWorker):
