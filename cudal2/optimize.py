@@ -40,18 +40,22 @@ PROPOSAL_WAIT_S = 60.0
 # proposes `batch` x SCREEN candidates, screens them all and confirms the best 1 / SCREEN
 # of them by the full protocol.
 SCREEN = 8
-# What one kernel's verification costs (verify.py), before a session of this run has measured
-# it: a fixed part (15-19 ms on the H200 for problems whose products take microseconds), its
-# reference products (nine of the problem's size, cuBLAS on the 16-bit inputs with an fp32
-# output: about the library call's time each) and about 16 calls of the kernel, each priced at
-# the fastest library call's time.
-VERIFY_FIXED_S, VERIFY_CALLS = 0.02, 9 + 16
+# What one screened kernel costs (its verification, verify.py, and its screening rounds), before
+# a session of this run has measured it: a fixed part, about 80 of the problem's fastest
+# library calls (nine fp32 reference products, the kernel's own calls, the rounds' replays),
+# and the passes over its output (the checks compare every element of each call's C). Fitted
+# to the first screening sessions of 174 grid shapes (H200, --time-budget 5; 0.021-0.038 s a
+# kernel where calls take microseconds, 0.07-0.14 s at 0.2-1.1 ms calls or 10^8 outputs): it
+# prices them at 0.97 of their time in the median (0.59-1.44), where 0.02 s and 25 calls
+# priced them at 0.62 (0.22-0.52 for the large ones, whose screening then ran past its share).
+VERIFY_FIXED_S, VERIFY_CALLS, VERIFY_OUTPUT_S = 0.03, 80, 1.6e-10
 
 
-def verification_s(call_us: float | None) -> float:
-    """Seconds one kernel's verification is expected to take, given the problem's fastest
-    library call (us; None: unknown, the fixed part alone)."""
-    return VERIFY_FIXED_S + (call_us or 0.0) * 1e-6 * VERIFY_CALLS
+def verification_s(call_us: float | None, outputs: int = 0) -> float:
+    """Seconds one kernel's verification and screening are expected to take, given the
+    problem's fastest library call (us; None: unknown, the fixed part alone) and the
+    elements of its output (M x N)."""
+    return VERIFY_FIXED_S + (call_us or 0.0) * 1e-6 * VERIFY_CALLS + outputs * VERIFY_OUTPUT_S
 
 
 # Seconds of timing per method (Settings.budget) under a time budget: a tenth of the budget,
@@ -317,7 +321,7 @@ class ShapeRun:
         # seconds-long fp32 references screens few kernels in a short budget, not a session of
         # as many as memory holds), and a confirmation that too beside its timing (and the
         # soak that long calls are timed after).
-        self.per_screen_s = verification_s(self.out.baseline_us)
+        self.per_screen_s = verification_s(self.out.baseline_us, self.ctx.problem.m * self.ctx.problem.n)
         self.confirm_s += self.per_screen_s + (SOAK_S if (self.out.baseline_us or 0.0) >= SOAK_US else 0.0)
         self.emit("baseline", {"us": self.out.baseline_us, "name": self.out.baseline})
 
