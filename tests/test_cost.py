@@ -208,6 +208,21 @@ def test_ping_pong_hides_the_epilogue_where_k_is_short():
     assert predict_us(template, cooperative, square, H200) < predict_us(template, pingpong, square, H200)
 
 
+def test_the_overlapped_epilogue_ranks_behind_ping_pong_where_k_is_a_few_k_tiles():
+    # Measured on the H200 (screened, --time-budget 5): at 16384x8192x512 the cooperative 128x256
+    # kernel with the overlapped epilogue read 0.764 of the library, ping-pong 128x192 0.948; at
+    # 4096x16384x1024, 0.881 against 1.008. Over the H200 rows with more tiles than SMs, its best
+    # ran 0.94 of ping-pong's best at K 257-1024 (median), 1.01 at K <= 128, 1.03 at 2049-4096.
+    template = get_template("sm90_cutlass")
+    overlap = sm90(epilogue_schedule="overlap", grid="even", cluster_m=2)
+    pingpong = sm90(kernel_schedule="pingpong", tile_n=192, epilogue_schedule="tma", grid="even")
+    for problem in (Problem(16384, 8192, 512), Problem(4096, 16384, 1024)):
+        assert predict_us(template, pingpong, problem, H200) < predict_us(template, overlap, problem, H200), problem
+    # where K is 64 or 128 tiles long, or one or two K tiles, it is priced as ping-pong is, and ahead
+    for problem in (Problem(4096, 4096, 8192), Problem(8192, 4096, 128)):
+        assert predict_us(template, overlap, problem, H200) <= predict_us(template, pingpong, problem, H200), problem
+
+
 def test_parallel_split_k_slices_do_not_wait_and_rank_ahead_of_stream_k():
     # Measured on the H200 at 1024x128x16384: the parallel split-K (non-persistent 64x128x128,
     # 8 slices) 13.6 us; stream-K split-K 8 (128x64, slices summed as they arrive) 16.8 us.
