@@ -9,9 +9,10 @@ grid CUDA-L2 tunes), and what a tuning run over them did.
 `draw` leaves out every shape measured before: the project's test shape sets, the shipped
 measurements and, with --results, that leaderboard's problems; the same seed draws the same
 shapes; --regime keeps one regime's shapes (few-tile long-K, short-K: a regime's fresh set).
-`report` prints, per shape and over the set, the candidates screened and measured, the time
-to the first verified kernel, the wall time (and what 1,000 shapes would take at
-its mean) and the best speedup (by regime too). `compare` prints, per shape of two runs over
+`report` prints, per shape and over the set, the candidates screened and measured (over the
+set also by the shape's fastest library call, which a kernel's verification costs a multiple
+of), the time to the first verified kernel, the wall time (and what 1,000 shapes would take
+at its mean) and the best speedup (by regime too). `compare` prints, per shape of two runs over
 the same shapes, each run's best speedup and their ratio, and over the set the geometric
 mean of the ratios and the shapes within 2%.
 """
@@ -60,6 +61,9 @@ def draw(count: int, seed: int, results: Path | None, within: str | None = None)
     return [Problem(m, n, k) for m, n, k in random.Random(seed).sample(fresh, count)]
 
 
+CALL_BANDS = ((0, 10), (10, 100), (100, 1000), (1000, math.inf))  # us
+
+
 def report(run: dict) -> str:
     shapes = run["shapes"]
     lines = ["| shape | regime | screened | measured | first verified s | wall s | best speedup |", "|---|---|---|---|---|---|---|"]
@@ -80,6 +84,12 @@ def report(run: dict) -> str:
               f"{len(shapes) - len(all_best)} ended without a measured kernel.",
               f"screened per shape: min {screened[0]}, median {statistics.median(screened):g}, max {screened[-1]}; "
               f"{sum(v >= 64 for v in screened)} of {len(shapes)} reached 64."]
+    # by the shape's fastest library call: what a kernel's verification costs follows it
+    for low, high in CALL_BANDS:
+        band = sorted(s.get("screened", 0) for s in shapes if low <= (s.get("baseline_us") or 0.0) < high)
+        if band:
+            lines.append(f"  library call {low:g}-{high:g} us: {len(band)} shapes, screened min {band[0]}, "
+                         f"median {statistics.median(band):g}, max {band[-1]}; {sum(v >= 64 for v in band)} reached 64")
     summary = speedup_summary(all_best)
     if all_best:
         lines.append(f"best speedup: geomean {summary['geomean_speedup']:.3f}, min {summary['min_speedup']:.3f}, "

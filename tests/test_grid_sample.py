@@ -30,18 +30,22 @@ def test_a_draw_is_fresh_grid_shapes_the_same_for_the_same_seed():
 
 
 def test_the_report_gives_the_screened_distribution_and_the_shapes_left_without_a_kernel():
-    def shape(m, n, k, screened, wall, best):
+    def shape(m, n, k, screened, wall, best, call_us):
         return {"problem": {"m": m, "n": n, "k": k, "dtype": "fp16", "layout": "nn"}, "screened": screened,
                 "statuses": {"screened": screened, "ok": 2}, "first_verified_s": 1.5, "wall_s": wall,
-                "best": {"speedup_offline": best} if best else None}
+                "best": {"speedup_offline": best} if best else None, "baseline_us": call_us}
 
-    run = {"shapes": [shape(4096, 4096, 64, 70, 6.0, 1.2), shape(64, 64, 16384, 10, 5.0, 0.9),
-                      shape(2048, 2048, 2048, 0, 4.0, None)]}
+    run = {"shapes": [shape(4096, 4096, 64, 70, 6.0, 1.2, 12.0), shape(64, 64, 16384, 10, 5.0, 0.9, 6.5),
+                      shape(2048, 2048, 2048, 0, 4.0, None, 23.0)]}
     text = grid_sample.report(run)
     assert "| 4096x4096x64 fp16 nn | short-K | 70 | 2 | 1.5 | 6.0 | 1.200 |" in text
     assert "3 shapes in 0.2 min" in text and "1 ended without a measured kernel" in text
     assert "mean 5.0 s a shape: 1.39 h for the 1,000-shape grid" in text
     assert "screened per shape: min 0, median 10, max 70; 1 of 3 reached 64" in text
+    # and by the fastest library call (a kernel's verification costs calls of that length)
+    assert "library call 0-10 us: 1 shapes, screened min 10, median 10, max 10; 0 reached 64" in text
+    assert "library call 10-100 us: 2 shapes, screened min 0, median 35, max 70; 1 reached 64" in text
+    assert "library call 100-" not in text
     assert "geomean 1.039" in text and "1 wins, 0 ties, 1 losses" in text
 
 
