@@ -4,7 +4,6 @@ list of problems through optimize_shapes, one ShapeRun (cudal2/optimize.py) per 
 
 from __future__ import annotations
 
-import functools
 import os
 import threading
 from dataclasses import dataclass
@@ -63,6 +62,10 @@ class Tuner:
         self.within = self._within(search, env["cc"])
         self.llms = [self._llm(w.device) for w in workers] if search.llm is not None else [None] * len(workers)
         self._built: dict[tuple[str, str], list[tuple[str, dict]]] = {}  # per dtype and layout
+        self._prebuilt: list[prebuilt.Entry] | None = None
+        self._prebuilt_lock = threading.Lock()
+        if search.proposer != "llm":  # read while the first shape's baselines run (a search asks for it first)
+            threading.Thread(target=self._read_prebuilt_set_ahead, name="cudal2-prebuilt-set", daemon=True).start()
 
     def run(self, problems: list[Problem], on_event: Event | None = None) -> list[Outcome]:
         """Tunes every problem (optimize_shapes: each worker takes the next untuned shape)."""
@@ -113,11 +116,22 @@ class Tuner:
         """Whether this template configuration's binary for `target` is in the compile cache."""
         return self.compilers[0].lookup(render_stage.render(Candidate.from_template(name, params), target)) is not None
 
-    @functools.cached_property
     def _prebuilt_set(self) -> list[prebuilt.Entry]:
-        # Read when a search first asks (an LLM-only run never does).
-        measured = with_shipped(self.leaderboard.read(protocol=None))
-        return prebuilt.available(self.settings.cache_dir, self.compilers[0].arch, measured)
+        """The prebuilt set as this machine may hold it, read once: by a thread the run starts
+        (an LLM-only run never reads it), so that the first shape's first batch does not wait
+        for it (1-3 s of one core: on the H200 the first shape of a --time-budget 5 run waited
+        about 2.4 s for its proposal and screened 15 kernels, where the others screened 64)."""
+        with self._prebuilt_lock:
+            if self._prebuilt is None:
+                measured = with_shipped(self.leaderboard.read(protocol=None))
+                self._prebuilt = prebuilt.available(self.settings.cache_dir, self.compilers[0].arch, measured)
+            return self._prebuilt
+
+    def _read_prebuilt_set_ahead(self) -> None:
+        try:
+            self._prebuilt_set()
+        except Exception:  # (an unreadable cache, say) the first search to ask reads it again and reports it
+            pass
 
     def _built_here(self, target: Problem) -> list[tuple[str, dict]]:
         """The prebuilt set as far as it is built here (what a first batch can rank in
@@ -127,7 +141,7 @@ class Tuner:
         variant = (target.dtype, target.layout)
         if variant not in self._built:
             self._built[variant] = [
-                (e.candidate.template, e.candidate.param_dict) for e in self._prebuilt_set
+                (e.candidate.template, e.candidate.param_dict) for e in self._prebuilt_set()
                 if (e.dtype, e.layout) == variant and self._cached(target, e.candidate.template, e.candidate.param_dict)]
         return self._built[variant]
 

@@ -1077,6 +1077,39 @@ def test_the_python_api_tunes_a_shape_set_end_to_end(tmp_path, cache_dir):
         cudal2.bench(shapes[0], template="nope", settings=settings, worker=StandInWorker())
 
 
+def test_a_run_reads_the_prebuilt_set_from_its_start_on_a_thread_of_its_own_and_once(tmp_path, cache_dir, monkeypatch):
+    """On the H200 the first shape of a --time-budget 5 run waited about 2.4 s for its first
+    batch (the prebuilt set was read when its search first asked) and screened 15 kernels,
+    where the shapes after it screened 64: a run reads the set from its start, beside the
+    first shape's baselines, once; the first search to ask waits for that read, not another.
+    An LLM-only run never reads it."""
+    import threading
+    import time
+
+    from cudal2 import tuner as wiring
+    from cudal2.llm import LLMSettings
+
+    reads = []
+    real = wiring.prebuilt.available
+
+    def slow(*args):
+        reads.append(threading.current_thread().name)
+        time.sleep(0.5)
+        return real(*args)
+
+    monkeypatch.setattr(wiring.prebuilt, "available", slow)
+    settings = Settings(results=tmp_path / "results", cache_dir=cache_dir, arch="sm_90a")
+    began = time.monotonic()
+    tuner = wiring.Tuner(settings, [StandInWorker()], wiring.Search(), Budget(iterations=1, batch=1))
+    assert time.monotonic() - began < 0.4  # the run does not wait for it
+    tuner._built_here(Problem(256, 256, 256))  # what a shape's search asks first
+    assert reads == ["cudal2-prebuilt-set"]
+    llm_only = wiring.Search(proposer="llm", llm=LLMSettings(base_url="http://127.0.0.1:9/v1"))  # (never called)
+    wiring.Tuner(settings, [StandInWorker()], llm_only, Budget(iterations=1))
+    time.sleep(0.2)
+    assert reads == ["cudal2-prebuilt-set"]
+
+
 def test_a_time_budget_bounds_the_batches_unless_iterations_are_given():
     from cudal2.api import UNBOUNDED_BATCHES, batches
 
