@@ -29,8 +29,9 @@ MIN_ROUNDS = 5  # rounds of each process's methods in a job, at least
 # up to 13% faster than in the graph when timed after it (a GPU at its power cap runs at 1.4
 # instead of 1.98 GHz, and cools between the two); alternated, the two agree within 5% for
 # 76 of the 82 contestants of the dev set (28 shapes) that take 20 us or more. Short calls draw too little power to move the clock, and
-# alternated, PDL kernels read 0.1-0.35 us more in the graph than in one block (and than
-# the independent check, scripts/remeasure.py).
+# alternated, kernels launched with programmatic dependent launch (as our GEMMs then were)
+# read 0.1-0.35 us more in the graph than in one block (and than the independent check,
+# scripts/remeasure.py).
 INTERLEAVE_US = 20.0
 # Calls this long are timed after SOAK_S of untimed replays (cudal2/bench.py: the steady state).
 SOAK_US, SOAK_S = 100.0, 1.5

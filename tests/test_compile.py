@@ -159,7 +159,7 @@ def test_the_cutlass_template_s_default_compiles_with_allowed_imports(compiler):
 def test_cutlass_variants_compile_with_allowed_imports(compiler):
     """Three more CUTLASS 3.x kernels (about 60-170 s of one core each, side by side): the
     parallel split-K, which adds a batched fp32 GEMM and a second kernel launched with
-    programmatic dependent launch (cudaLaunchKernelEx); operands swapped with a 160-column
+    programmatic dependent launch behind it (cudaLaunchKernelEx); operands swapped with a 160-column
     GMMA of CuTe's extended shapes (column-major C^T through the TMA epilogue); and the
     cooperative kernel that stores each tile during the next one's GMMAs (bf16 packing)."""
     parallel = {"kernel_schedule": "warpspecialized", "tile_m": "64", "tile_n": "128", "cluster_m": "1",

@@ -166,8 +166,9 @@ def test_sm90_cutlass_is_correct_on_odd_and_unaligned_shapes(sm90_builds, index)
     assert not failures, "\n".join(failures)
 
 
-# Kernels launched with programmatic dependent launch: the sm90 default, parallel split-K and
-# the overlapped epilogue (SM90_CONFIGS), and sm80_mma (built for sm_90 it is launched so too).
+# Calls chained on one stream: the sm90 default, parallel split-K (whose kernel summing the
+# slices is launched with programmatic dependent launch behind its GEMM) and the overlapped
+# epilogue (SM90_CONFIGS), and sm80_mma.
 PARALLEL_SPLIT_K = next(params for params, _ in SM90_CONFIGS if params.get("reduction") == "parallel"
                         and params.get("kernel_schedule") != "warpspecialized")
 OVERLAP = next(params for params, v in SM90_CONFIGS if params.get("epilogue_schedule") == "overlap"
@@ -176,9 +177,10 @@ CHAINED = [("sm90_cutlass", {}), ("sm90_cutlass", PARALLEL_SPLIT_K), ("sm90_cutl
 
 
 @pytest.mark.parametrize("template, params", CHAINED, ids=["sm90", "sm90-parallel", "sm90-overlap", "sm80"])
-def test_a_kernel_launched_early_reads_all_of_its_predecessors_output(compiler, template, params):
+def test_a_call_reads_all_of_its_predecessors_output(compiler, template, params):
     """Two calls back to back on one stream, the second multiplying the first's output: the
-    second is launched while the first may still run (PDL), and must wait for all of C1."""
+    second must read all of C1 (within a parallel split-K call, the sum is launched while its
+    GEMM may still run, and must wait for all of the slices)."""
     import cupy
 
     if template == "sm90_cutlass" and gpu_cc() != 90:
