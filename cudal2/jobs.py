@@ -98,7 +98,8 @@ def _methods(job: dict[str, Any]) -> tuple[str, ...]:
 
 
 def _kernel_job(job: dict[str, Any], environment: dict[str, Any], timer) -> dict[str, Any]:
-    """Verifies one kernel (graph process)."""
+    """Verifies one kernel (graph process): in full, or a screening session's checks (verify's
+    `screen`) where the job's settings say `screen`."""
     import cupy
 
     problem = Problem(**job["problem"])
@@ -106,7 +107,8 @@ def _kernel_job(job: dict[str, Any], environment: dict[str, Any], timer) -> dict
     stream = cupy.cuda.Stream(non_blocking=True)
     kernel = Kernel(job["library"])
     with stream:
-        verdict = verify(kernel, problem, stream, cublas_gemm(problem, stream), rng)
+        verdict = verify(kernel, problem, stream, cublas_gemm(problem, stream), rng,
+                         screen=bool(job["settings"].get("screen")))
         result = {"status": verdict.status, "error": verdict.reason,
                   "max_error": verdict.max_error, "tolerance": verdict.tolerance, "left_error": kernel.left_error}
     return result

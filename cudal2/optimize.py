@@ -49,13 +49,19 @@ SCREEN = 8
 # prices them at 0.97 of their time in the median (0.59-1.44), where 0.02 s and 25 calls
 # priced them at 0.62 (0.22-0.52 for the large ones, whose screening then ran past its share).
 VERIFY_FIXED_S, VERIFY_CALLS, VERIFY_OUTPUT_S = 0.03, 80, 1.6e-10
+# The share of those calls and passes left where a screening session verifies its kernels with
+# the screening checks alone (verify's `screen`): counted, not yet fitted, 8 of the full
+# verification's 34 products at the problem's size (the kernel's calls, the fp32 references,
+# cuBLAS's), beside the rounds' nine or so replays (17 of about 43), and 3 of 9 input fills.
+SCREEN_VERIFY_SHARE = 0.4
 
 
-def verification_s(call_us: float | None, outputs: int = 0) -> float:
+def verification_s(call_us: float | None, outputs: int = 0, screen: bool = False) -> float:
     """Seconds one kernel's verification and screening are expected to take, given the
     problem's fastest library call (us; None: unknown, the fixed part alone) and the
-    elements of its output (M x N)."""
-    return VERIFY_FIXED_S + (call_us or 0.0) * 1e-6 * VERIFY_CALLS + outputs * VERIFY_OUTPUT_S
+    elements of its output (M x N); `screen`: verified by the screening checks alone."""
+    share = SCREEN_VERIFY_SHARE if screen else 1.0
+    return VERIFY_FIXED_S + share * ((call_us or 0.0) * 1e-6 * VERIFY_CALLS + outputs * VERIFY_OUTPUT_S)
 
 
 # Seconds of timing per method (Settings.budget) under a time budget: a tenth of the budget,
@@ -317,12 +323,13 @@ class ShapeRun:
         column = f"{self.ctx.mode}_us"
         fastest = min((r for r in rows if r.get(column) is not None), key=lambda r: r[column], default=None)
         self.out.baseline, self.out.baseline_us = (fastest["kernel"], fastest[column]) if fastest else (None, None)
-        # Until a session measures them: a screened kernel costs its verification (a problem of
-        # seconds-long fp32 references screens few kernels in a short budget, not a session of
-        # as many as memory holds), and a confirmation that too beside its timing (and the
-        # soak that long calls are timed after).
-        self.per_screen_s = verification_s(self.out.baseline_us, self.ctx.problem.m * self.ctx.problem.n)
-        self.confirm_s += self.per_screen_s + (SOAK_S if (self.out.baseline_us or 0.0) >= SOAK_US else 0.0)
+        # Until a session measures them: a screened kernel costs its screening checks (a problem
+        # of seconds-long fp32 references screens few kernels in a short budget, not a session
+        # of as many as memory holds), and a confirmation the full verification beside its
+        # timing (and the soak that long calls are timed after).
+        us, outputs = self.out.baseline_us, self.ctx.problem.m * self.ctx.problem.n
+        self.per_screen_s = verification_s(us, outputs, screen=True)
+        self.confirm_s += verification_s(us, outputs) + (SOAK_S if (us or 0.0) >= SOAK_US else 0.0)
         self.emit("baseline", {"us": self.out.baseline_us, "name": self.out.baseline})
 
     def _batches(self, pool: ThreadPoolExecutor) -> None:

@@ -285,16 +285,19 @@ def test_under_a_time_budget_each_method_is_timed_a_tenth_of_it(tmp_path, compil
 
 def test_a_problem_whose_verification_takes_seconds_screens_what_the_budget_holds(tmp_path, compiler, monkeypatch):
     """Before any session has measured a screened kernel's time, it is expected to cost its
-    verification and screening: 0.43 s where the library call takes 5 ms (references and
-    calls of the problem's size), so under a 3 s budget (with the 1.5 s soak of a
-    confirmation) the first screening session holds one kernel, not the four of the batch
-    (which would take 1.8 s); each batch then screens what its measured time and the
-    confirmation leave, and the run ends within the budget. On the H200 the screened kernels
-    of large problems took 0.07-0.14 s, 2-4 times the 0.02 s and 25 calls once priced."""
+    screening checks and rounds: 0.19 s where the library call takes 5 ms (references and
+    calls of the problem's size), and a confirmation its full verification (0.43 s), so under a
+    3 s budget (with the 1.5 s soak of a confirmation) the first screening session holds one
+    kernel, not the four of the batch; each batch then screens what its measured time and the
+    confirmation leave, and the run ends within the budget. On the H200 the kernels of large
+    problems, screened after the full verification, took 0.07-0.14 s, 2-4 times the 0.02 s
+    and 25 calls once priced."""
     from cudal2.optimize import verification_s
 
     assert 0.02 <= verification_s(None) <= verification_s(5.0) < 0.04 < verification_s(5000.0) < 0.5
     assert 0.07 < verification_s(167.6, 16384 * 16384) < 0.14  # 16384x16384x128: measured 0.106 s
+    assert verification_s(None, screen=True) == verification_s(None)  # the fixed part stays
+    assert 0.15 < verification_s(5000.0, screen=True) < 0.5 * verification_s(5000.0)
     worker = PacedWorker([0.0], screen_s=0.45, call_us=5000.0)
     out = paced_run(tmp_path, compiler, monkeypatch, worker, 3.0)
     assert worker.sessions[:2] == [1, 1] and worker.screens[:2] == [True, False], worker.sessions
