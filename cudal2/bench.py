@@ -4,8 +4,9 @@ The protocol (protocol.PROTOCOL, what the leaderboard's `protocol` column record
 contestant, candidate and baselines alike, in one process by two independent methods:
 
 - `kernel`: device time per call from CUPTI activity records (every kernel, memset and copy
-  the call launched, summed), each call alone between device syncs, so nothing overlaps
-  and no launch gap or host time is counted (`kernel_rounds`). Each timed call comes right
+  the call launched: the union of their intervals, so two of its kernels that overlap count
+  once), each call alone between device syncs, so no other call overlaps it and no launch
+  gap or host time is counted (`kernel_rounds`). Each timed call comes right
   behind untimed calls of the same contestant on the other input sets, so that the clock
   it runs at is a busy GPU's, as in the graph (measured on an H200: long calls right after
   the bench's own lighter work read up to 15% faster than the same calls in a graph);

@@ -82,16 +82,33 @@ class CuptiTimer:
 
 
 def window_totals(windows: list[tuple[int, int]], records: list[tuple[int, int]]) -> list[float]:
-    """Microseconds of the activity records (start, end in ns) that start inside each of the
-    ordered, disjoint windows (start, end in ns); records outside every window (the bench's
-    own refills, poisoning and checks) count for none."""
+    """Microseconds in which the device ran the activity records (start, end in ns) that start
+    inside each of the ordered, disjoint windows (start, end in ns): the union of their
+    intervals, so that two kernels of one call that overlap (the second launched with
+    programmatic dependent launch, resident while it waits for the first) count once, as the
+    device ran them; records that do not overlap add up. Records outside every window (the
+    bench's own refills, poisoning and checks) count for none."""
     starts = [w[0] for w in windows]
-    totals = [0] * len(windows)
+    spans: list[list[tuple[int, int]]] = [[] for _ in windows]
     for start, end in records:
         i = bisect.bisect_right(starts, start) - 1
         if i >= 0 and start <= windows[i][1]:
-            totals[i] += end - start
-    return [ns / 1e3 for ns in totals]
+            spans[i].append((start, end))
+    return [busy_time(intervals) / 1e3 for intervals in spans]
+
+
+def busy_time(intervals: list[tuple[float, float]]) -> float:
+    """The length of the union of the intervals (start, end): the time in which at least one
+    of them ran, in their unit."""
+    busy, reach = 0, None
+    for start, end in sorted(intervals):
+        if reach is None or start >= reach:
+            busy += end - start
+            reach = end
+        elif end > reach:
+            busy += end - reach
+            reach = end
+    return busy
 
 
 class InputSets:

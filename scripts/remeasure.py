@@ -14,7 +14,8 @@ timed both ways, on three input sets cycled in turn:
   per call; per round every contestant's graph replayed once, in a rotating order;
 - profiler: per round `--calls`/ROUNDS calls of each contestant in a rotating order, each
   call followed by a device sync, inside one profiler session per row; the device events
-  (kernels, memsets) inside each contestant's record_function range summed per call.
+  (kernels, memsets) inside each contestant's record_function range per call, those of a
+  call that overlap counted once (the union of their intervals).
 
 ROUNDS rounds of each; the median. For calls of 20 us or more the two children's rounds
 alternate, so that the clock (long GEMMs run the GPU at its power cap, and it falls over
@@ -53,6 +54,7 @@ from cudal2.protocol import PROTOCOL  # noqa: E402
 from cudal2.compile import Compiler  # noqa: E402
 from cudal2.config import load_settings  # noqa: E402
 from cudal2.environment import gpu_temperature  # noqa: E402
+from cudal2.measure import busy_time  # noqa: E402
 from cudal2.leaderboard import Leaderboard, best, select  # noqa: E402
 from cudal2.problem import Problem  # noqa: E402
 from cudal2.shapes import read_shapes  # noqa: E402
@@ -213,14 +215,15 @@ class ProfilerTimer:
         events = self.profile.events()
         windows = sorted((e.time_range.start, e.time_range.end, e.name.split(TAG)[1]) for e in events
                          if e.name.startswith(TAG) and e.device_type == DeviceType.CPU)
-        totals = [0.0] * len(windows)
+        spans = [[] for _ in windows]
         starts = [w[0] for w in windows]
         for e in events:
             if e.device_type != DeviceType.CUDA or e.name.startswith(TAG):
                 continue
             i = bisect.bisect_right(starts, e.time_range.start) - 1
             if i >= 0 and e.time_range.start <= windows[i][1]:
-                totals[i] += e.time_range.elapsed_us()
+                spans[i].append((e.time_range.start, e.time_range.end))
+        totals = [busy_time(span) for span in spans]  # kernels of one call that overlap count once
         per_round = {name: [] for name in self.contestants}
         for (_, _, name), total in zip(windows, totals):
             per_round[name].append(total / self.calls)
