@@ -93,7 +93,7 @@ class Budget:
     time_s: float | None = None  # wall-clock seconds for the whole run
     patience: int | None = 3  # batches without a better kernel before stopping
     # Successive halving's eta: a batch proposes batch x screen candidates, screens them all
-    # (verified in full, timed by the graph method for a few rounds) and sends the best
+    # (the screening checks, then the graph method for a few rounds) and sends the best
     # 1 / screen of them through the full protocol; 1: every candidate through the protocol.
     screen: int = 1
 
@@ -526,7 +526,7 @@ class ShapeRun:
 
     def _screen(self, items: list[Built], binaries: dict[str, str | None], rows: list[dict[str, Any]]) -> list[Built]:
         """Successive halving's first rung (Jamieson and Talwalkar, 2016): every kernel of
-        the batch screened (verified in full, then timed by the graph method alone for a
+        the batch screened (the screening checks, then timed by the graph method alone for a
         few rounds, Worker._screen), in sessions that fit the time left; its rows join
         `rows` (status SCREENED where it passed: never ranked). Returns the second rung: the
         best 1 / budget.screen of the batch by the screened ratio, best first, for the

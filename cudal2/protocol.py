@@ -24,7 +24,8 @@ PROTOCOL = "cupti-graph-3"
 EARLIER_PROTOCOLS = ("fenced", "back-to-back")
 PROTOCOLS = (PROTOCOL, *EARLIER_PROTOCOLS)
 # The optimize loop's first pass (cudal2/optimize.py, successive halving): candidates
-# verified in full, then timed by the graph method alone for a few rounds. Its rows say
+# verified by the screening checks (verify's `screen`), then timed by the graph method alone
+# for a few rounds. Its rows say
 # which candidates the full protocol confirms; they are never ranked, exported, shown to a
 # model or used as priors: their status is SCREENED, never "ok", and their protocol this one.
 SCREEN_PROTOCOL = "screen-graph-1"

@@ -161,7 +161,8 @@ class Worker:
         it is timed again, and so on down to a session of one, which answers for its kernel
         (one culprit among 64 screened costs about 12 sessions, not 64). A kernel below the
         physical limit is rejected at the finish, by its own times. With `screen`, every
-        kernel is verified alike and the session is a screening one (_screen)."""
+        kernel is verified by the screening checks (verify's `screen`) and the session is a
+        screening one (_screen)."""
         if screen:
             job = {**job, "settings": {**job["settings"], "screen": True}}
         results = []

@@ -92,7 +92,7 @@ def optimize(
     time_budget: Annotated[Optional[float], typer.Option(help="wall-clock seconds for each shape")] = None,
     patience: Annotated[Optional[int], typer.Option(help="stop after this many batches without a better kernel")] = 3,
     screen: Annotated[Optional[int], typer.Option(
-        help="screen N x --batch candidates a batch (verified in full, timed briefly) and measure the best "
+        help="screen N x --batch candidates a batch (the screening checks, timed briefly) and measure the best "
              "--batch of them by the full protocol (default: 8 under --time-budget with the search proposer, else 1: "
              "every candidate in full)")] = None,
     seed: Annotated[int, typer.Option(help="seed of the search proposer")] = 0,
