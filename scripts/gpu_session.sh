@@ -18,7 +18,8 @@
 #     (screened per shape, wall time, best speedups by regime); run `cudal2 prebuild` first
 #   scripts/gpu_session.sh budget-compare -> SAMPLE (20) fresh grid shapes drawn with SEED, tuned twice from
 #     empty results directories, at --time-budget SHORT (5) and LONG (60) s, then grid_sample.py compare
-#     (the short budget's share of the long one's best); run `cudal2 prebuild` first
+#     (the short budget's share of the long one's best); run `cudal2 prebuild` first. With SHORT_JSON
+#     (a grid-sample run's --json at the short budget): its first SAMPLE shapes, tuned at LONG alone
 #   scripts/gpu_session.sh devset-optimize -> cudal2 optimize (search) on every row of DEVSET
 #     (DEVSET_ROWS='1,8p;19p' picks data rows as a sed -n script; OPTIMIZE="..." sets its options)
 # Logs, JSON and a tarball of the results directory go to ${OUT:-gpu-run}/.
@@ -78,9 +79,18 @@ for stage in "$@"; do
       echo "seed $SEED, budget ${BUDGET:-5} s: $(( $(date +%s) - start )) s wall" | tee "$out/grid-sample.md"
       python3 scripts/grid_sample.py report "$out/grid-sample.json" | tee -a "$out/grid-sample.md" ;;
     budget-compare)
-      python3 scripts/grid_sample.py draw --count "${SAMPLE:-20}" --seed "${SEED:?SEED: a seed never used before}" \
-        --results "$results" > "$out/budget-compare.csv"
-      for budget in "${SHORT:-5}" "${LONG:-60}"; do
+      budgets=("${SHORT:-5}" "${LONG:-60}")
+      if [ -n "${SHORT_JSON:-}" ]; then  # the short run made already: some of its shapes, at the long budget
+        python3 -c "import json, sys; print('m,n,k,dtype,layout'); [print('{m},{n},{k},{dtype},{layout}'.format(**s['problem']))
+          for s in json.load(open(sys.argv[1]))['shapes'][:int(sys.argv[2])]]" "$SHORT_JSON" "${SAMPLE:-20}" \
+          > "$out/budget-compare.csv"
+        cp "$SHORT_JSON" "$out/budget-${SHORT:-5}.json"
+        budgets=("${LONG:-60}")
+      else
+        python3 scripts/grid_sample.py draw --count "${SAMPLE:-20}" --seed "${SEED:?SEED: a seed never used before}" \
+          --results "$results" > "$out/budget-compare.csv"
+      fi
+      for budget in "${budgets[@]}"; do
         cudal2 optimize --shapes "$out/budget-compare.csv" --time-budget "$budget" --results "$out/budget-$budget" \
           --json > "$out/budget-$budget.json"
       done

@@ -78,3 +78,6 @@ def test_compare_gives_the_short_budgets_share_of_the_long_ones_best():
     assert "1 within 2%, worst 0.900" in text
     with pytest.raises(SystemExit, match="different shapes"):
         grid_sample.compare(run(1.0), run(1.0, 1.0))
+    # a long run over some of the short run's shapes (20 of its 100): those shapes alone
+    text = grid_sample.compare(run(1.0, 0.9, 1.2), run(1.0, 1.0))
+    assert "2 of 2 shapes measured by both" in text and "256x64x4096" not in text
