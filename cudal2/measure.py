@@ -88,25 +88,28 @@ def window_totals(windows: list[tuple[int, int]], records: list[tuple[int, int]]
     programmatic dependent launch, resident while it waits for the first) count once, as the
     device ran them; records that do not overlap add up. Records outside every window (the
     bench's own refills, poisoning and checks) count for none."""
+    return [busy / 1e3 for busy in busy_per_window(windows, records)]
+
+
+def busy_per_window(windows: list[tuple[float, float]], records: list[tuple[float, float]]) -> list[float]:
+    """For each of the ordered, disjoint windows (start, end), the time in which the records
+    (start, end, in the windows' unit) that start inside it ran: the union of their intervals."""
     starts = [w[0] for w in windows]
-    spans: list[list[tuple[int, int]]] = [[] for _ in windows]
+    spans: list[list[tuple[float, float]]] = [[] for _ in windows]
     for start, end in records:
         i = bisect.bisect_right(starts, start) - 1
         if i >= 0 and start <= windows[i][1]:
             spans[i].append((start, end))
-    return [busy_time(intervals) / 1e3 for intervals in spans]
+    return [busy_time(intervals) for intervals in spans]
 
 
 def busy_time(intervals: list[tuple[float, float]]) -> float:
     """The length of the union of the intervals (start, end): the time in which at least one
     of them ran, in their unit."""
-    busy, reach = 0, None
+    busy, reach = 0, float("-inf")
     for start, end in sorted(intervals):
-        if reach is None or start >= reach:
-            busy += end - start
-            reach = end
-        elif end > reach:
-            busy += end - reach
+        if end > reach:
+            busy += end - max(start, reach)
             reach = end
     return busy
 

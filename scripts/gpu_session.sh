@@ -81,9 +81,7 @@ for stage in "$@"; do
     budget-compare)
       budgets=("${SHORT:-5}" "${LONG:-60}")
       if [ -n "${SHORT_JSON:-}" ]; then  # the short run made already: some of its shapes, at the long budget
-        python3 -c "import json, sys; print('m,n,k,dtype,layout'); [print('{m},{n},{k},{dtype},{layout}'.format(**s['problem']))
-          for s in json.load(open(sys.argv[1]))['shapes'][:int(sys.argv[2])]]" "$SHORT_JSON" "${SAMPLE:-20}" \
-          > "$out/budget-compare.csv"
+        python3 scripts/grid_sample.py taken "$SHORT_JSON" --count "${SAMPLE:-20}" > "$out/budget-compare.csv"
         cp "$SHORT_JSON" "$out/budget-${SHORT:-5}.json"
         budgets=("${LONG:-60}")
       else

@@ -5,6 +5,7 @@ grid CUDA-L2 tunes), and what a tuning run over them did.
     cudal2 optimize --shapes shapes.csv --time-budget 5 --json > run.json
     python3 scripts/grid_sample.py report run.json [part2.json ...]   # a run made in several calls: one report
     python3 scripts/grid_sample.py compare short.json long.json   # the same shapes (or some of them), two budgets
+    python3 scripts/grid_sample.py taken run.json --count 20 > some.csv   # the first 20 shapes a run tuned
 
 `draw` leaves out every shape measured before: the project's test shape sets, the shipped
 measurements and, with --results, that leaderboard's problems; the same seed draws the same
@@ -140,13 +141,18 @@ def main(argv: list[str] | None = None) -> None:
     d.add_argument("--regime", choices=REGIMES, help="only shapes of this regime (cudal2/roofline.py)")
     r = sub.add_parser("report", help="summarise `cudal2 optimize --shapes ... --json` output")
     r.add_argument("run", type=Path, nargs="+", help="one run's output, or the parts of a sample run in several calls")
+    t = sub.add_parser("taken", help="the first COUNT shapes a `--json` run tuned, as a shape-set CSV (to tune them again)")
+    t.add_argument("run", type=Path)
+    t.add_argument("--count", type=int, default=20)
     c = sub.add_parser("compare", help="two `--json` runs over the same shapes: the short one's share of the long one's best")
     c.add_argument("short", type=Path)
     c.add_argument("long", type=Path)
     args = parser.parse_args(argv)
-    if args.command == "draw":
+    if args.command in ("draw", "taken"):
+        problems = (draw(args.count, args.seed, args.results, args.regime) if args.command == "draw" else
+                    [Problem(**shape["problem"]) for shape in json.loads(args.run.read_text())["shapes"][:args.count]])
         print("m,n,k,dtype,layout")
-        for p in draw(args.count, args.seed, args.results, args.regime):
+        for p in problems:
             print(f"{p.m},{p.n},{p.k},{p.dtype},{p.layout}")
     elif args.command == "compare":
         print(compare(json.loads(args.short.read_text()), json.loads(args.long.read_text())))

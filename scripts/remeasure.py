@@ -34,7 +34,6 @@ against the faster baseline), and the leaderboard's claim beside it.
 from __future__ import annotations
 
 import argparse
-import bisect
 import json
 import math
 import multiprocessing
@@ -54,7 +53,7 @@ from cudal2.protocol import PROTOCOL  # noqa: E402
 from cudal2.compile import Compiler  # noqa: E402
 from cudal2.config import load_settings  # noqa: E402
 from cudal2.environment import gpu_temperature  # noqa: E402
-from cudal2.measure import busy_time  # noqa: E402
+from cudal2.measure import busy_per_window  # noqa: E402
 from cudal2.leaderboard import Leaderboard, best, select  # noqa: E402
 from cudal2.problem import Problem  # noqa: E402
 from cudal2.shapes import read_shapes  # noqa: E402
@@ -215,15 +214,10 @@ class ProfilerTimer:
         events = self.profile.events()
         windows = sorted((e.time_range.start, e.time_range.end, e.name.split(TAG)[1]) for e in events
                          if e.name.startswith(TAG) and e.device_type == DeviceType.CPU)
-        spans = [[] for _ in windows]
-        starts = [w[0] for w in windows]
-        for e in events:
-            if e.device_type != DeviceType.CUDA or e.name.startswith(TAG):
-                continue
-            i = bisect.bisect_right(starts, e.time_range.start) - 1
-            if i >= 0 and e.time_range.start <= windows[i][1]:
-                spans[i].append((e.time_range.start, e.time_range.end))
-        totals = [busy_time(span) for span in spans]  # kernels of one call that overlap count once
+        records = [(e.time_range.start, e.time_range.end) for e in events
+                   if e.device_type == DeviceType.CUDA and not e.name.startswith(TAG)]
+        # the device time of each window's calls (us): kernels of one call that overlap count once
+        totals = busy_per_window([(start, end) for start, end, _ in windows], records)
         per_round = {name: [] for name in self.contestants}
         for (_, _, name), total in zip(windows, totals):
             per_round[name].append(total / self.calls)

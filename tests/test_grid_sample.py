@@ -4,6 +4,7 @@ its report of what the run did per shape and over the set."""
 from __future__ import annotations
 
 import importlib.util
+import json
 from pathlib import Path
 
 import pytest
@@ -81,3 +82,15 @@ def test_compare_gives_the_short_budgets_share_of_the_long_ones_best():
     # a long run over some of the short run's shapes (20 of its 100): those shapes alone
     text = grid_sample.compare(run(1.0, 0.9, 1.2), run(1.0, 1.0))
     assert "2 of 2 shapes measured by both" in text and "256x64x4096" not in text
+
+
+def test_taken_writes_the_first_shapes_a_run_tuned_as_a_shape_set(tmp_path, capsys):
+    """What a long budget tunes again (budget-compare with SHORT_JSON): a shape-set CSV that
+    read_shapes reads back as the run's first COUNT problems."""
+    from cudal2.shapes import read_shapes
+
+    shapes = [{"problem": {"m": m, "n": 64, "k": 4096, "dtype": "bf16", "layout": "nt"}} for m in (64, 128, 256)]
+    (tmp_path / "run.json").write_text(json.dumps({"shapes": shapes}))
+    grid_sample.main(["taken", str(tmp_path / "run.json"), "--count", "2"])
+    (tmp_path / "some.csv").write_text(capsys.readouterr().out)
+    assert [(p.m, p.dtype, p.layout) for p in read_shapes(tmp_path / "some.csv")] == [(64, "bf16", "nt"), (128, "bf16", "nt")]
