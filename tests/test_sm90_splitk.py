@@ -30,6 +30,9 @@ def test_clusters_fill_one_wave_of_the_sms_and_leave_every_cta_k():
     # CTAs that take an SM's shared memory: fewer clusters of 8 run at once than 132 / 8.
     large = {"block_m": 128, "block_n": 128, "stages": 4, "split_k": 8, "k_clusters": 16}
     assert split_of(large, Problem(64, 64, 16384)) == (14 * 8, 8)
+    # Pairs of such CTAs fill the GPU (66 clusters of 2 active on 132 SMs): 32 tiles, 2 clusters each.
+    pairs = {"block_m": 128, "block_n": 128, "stages": 6, "split_k": 2, "k_clusters": 8}
+    assert split_of(pairs, Problem(4096, 128, 16384)) == (4, 2)
 
 
 def test_it_serves_few_tiles_with_a_long_k_on_rows_tma_can_read():
