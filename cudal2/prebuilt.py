@@ -96,8 +96,11 @@ def kernel_set(cc: int, measured: pd.DataFrame, regions: bool = True,
     templates = load_templates()
     found: dict[tuple[str, str, str], Entry] = {}
 
-    def add(template: str, params: dict, dtype: str, layout: str, why: str) -> None:
-        if templates[template].supports(Problem(1, 1, 1, dtype, layout), cc):
+    def add(template: str, params: dict, problem: Problem, why: str) -> None:
+        # On the problem that put it there: a template's `requires` may turn away others
+        # (sm90_splitk serves K >= 1024 only).
+        dtype, layout = problem.dtype, problem.layout
+        if templates[template].supports(problem, cc):
             candidate = Candidate.from_template(template, params)
             found.setdefault((str(candidate), dtype, layout), Entry(candidate, dtype, layout, why))
 
@@ -107,7 +110,7 @@ def kernel_set(cc: int, measured: pd.DataFrame, regions: bool = True,
         best = group["speedup_offline"].max()
         for row in group[group["speedup_offline"] >= NEAR_BEST * best].to_dict("records"):
             if row["template"] in templates and (params := recorded_params(row, templates)) is not None:
-                add(row["template"], params, dtype, layout,
+                add(row["template"], params, Problem(m, n, k, dtype, layout),
                     f"{row['speedup_offline'] / best:.3f} of the best at {m}x{n}x{k} {dtype} {layout} ({protocol})")
     gpus = [g for g in rows["gpu"].dropna().unique() if g in RECORDED_MEMORY]
     if gpus and regions:
@@ -116,9 +119,10 @@ def kernel_set(cc: int, measured: pd.DataFrame, regions: bool = True,
         for step, (region, (m, n, k), (dtype, layout)) in enumerate(todo, 1):
             if on_rank:
                 on_rank(step, len(todo), f"{region} ({m}x{n}x{k} {dtype} {layout})")
-            ranked = distinct(rank(templates, Problem(m, n, k, dtype, layout), device), templates, PER_REGION)
+            problem = Problem(m, n, k, dtype, layout)
+            ranked = distinct(rank(templates, problem, device), templates, PER_REGION)
             for i, (_, template, params) in enumerate(ranked, 1):
-                add(template, params, dtype, layout, f"cost model's #{i} for {region} ({m}x{n}x{k} {dtype} {layout})")
+                add(template, params, problem, f"cost model's #{i} for {region} ({m}x{n}x{k} {dtype} {layout})")
     return sorted(found.values(), key=lambda e: (e.candidate.template, e.dtype, e.layout, str(e.candidate)))
 
 

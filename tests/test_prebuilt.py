@@ -80,6 +80,16 @@ def test_the_set_holds_the_near_best_of_every_measured_problem_and_the_cost_mode
     assert len({(str(e.candidate), e.dtype, e.layout) for e in entries}) == len(entries)
 
 
+def test_a_near_best_kernel_of_a_template_that_serves_some_problems_only_is_in_the_set():
+    # sm90_splitk serves K >= 1024 alone (its `requires`); its best at 2048x64x16384 is built
+    # before any run, like every other template's
+    splitk = {"block_m": 128, "block_n": 64, "stages": 6, "producer": "warp", "split_k": 2, "k_clusters": 8}
+    rows = measured([{"template": "sm90_splitk", "params": json.dumps(splitk), "speedup_offline": 0.9,
+                      "m": 2048, "n": 64, "k": 16384}])
+    [entry] = prebuilt.kernel_set(90, rows, regions=False)
+    assert (entry.candidate.template, entry.candidate.param_dict, entry.dtype) == ("sm90_splitk", splitk, "fp16")
+
+
 def test_one_build_serves_every_shape_of_its_dtype_and_layout():
     for name in load_templates():
         candidate = template_candidate(name, {}, 90)
