@@ -99,10 +99,10 @@ def kernel_set(cc: int, measured: pd.DataFrame, regions: bool = True,
     def add(template: str, params: dict, problem: Problem, why: str) -> None:
         # On the problem that put it there: a template's `requires` may turn away others
         # (sm90_splitk serves K >= 1024 only).
-        dtype, layout = problem.dtype, problem.layout
         if templates[template].supports(problem, cc):
             candidate = Candidate.from_template(template, params)
-            found.setdefault((str(candidate), dtype, layout), Entry(candidate, dtype, layout, why))
+            found.setdefault((str(candidate), problem.dtype, problem.layout),
+                             Entry(candidate, problem.dtype, problem.layout, why))
 
     rows = measured[(measured["status"] == "ok") & (measured["cc"] == cc) & measured["template"].notna()
                     & measured["speedup_offline"].notna()]
