@@ -40,28 +40,43 @@ PROPOSAL_WAIT_S = 60.0
 # proposes `batch` x SCREEN candidates, screens them all and confirms the best 1 / SCREEN
 # of them by the full protocol.
 SCREEN = 8
-# What one screened kernel costs (its verification, verify.py, and its screening rounds), before
-# a session of this run has measured it: a fixed part, about 80 of the problem's fastest
-# library calls (nine fp32 reference products, the kernel's own calls, the rounds' replays),
-# and the passes over its output (the checks compare every element of each call's C). Fitted
-# to the first screening sessions of 174 grid shapes (H200, --time-budget 5; 0.021-0.038 s a
-# kernel where calls take microseconds, 0.07-0.14 s at 0.2-1.1 ms calls or 10^8 outputs): it
-# prices them at 0.97 of their time in the median (0.59-1.44), where 0.02 s and 25 calls
-# priced them at 0.62 (0.22-0.52 for the large ones, whose screening then ran past its share).
+# What one kernel's full verification (verify.py) costs, before a session of this run has
+# measured it: a fixed part, about 80 of the problem's fastest library calls (nine fp32
+# reference products, the kernel's own calls, the rounds' replays), and the passes over its
+# output (the checks compare every element of each call's C). Fitted to the first sessions of
+# 174 grid shapes (H200, --time-budget 5; 0.021-0.038 s a kernel where calls take
+# microseconds, 0.07-0.14 s at 0.2-1.1 ms calls or 10^8 outputs): it prices them at 0.97 of
+# their time in the median (0.59-1.44).
 VERIFY_FIXED_S, VERIFY_CALLS, VERIFY_OUTPUT_S = 0.03, 80, 1.6e-10
-# The share of those calls and passes left where a screening session verifies its kernels with
-# the screening checks alone (verify's `screen`): counted, not yet fitted, 8 of the full
-# verification's 34 products at the problem's size (the kernel's calls, the fp32 references,
-# cuBLAS's), beside the rounds' nine or so replays (17 of about 43), and 3 of 9 input fills.
-SCREEN_VERIFY_SHARE = 0.4
+# A kernel of a screening session (verify's `screen` checks, then the session's rounds): a fixed
+# part, about 31 of the problem's fastest library calls and a few passes over its output.
+# Fitted on the H200 to sessions of 64 copies of one kernel (sm90_cutlass's default) at
+# 2048^3, 4096^3, 8192x8192x2048 and 8192^3 (library calls of 25, 182, 352 and 1516 us): 17.8,
+# 22.2, 28.8 and 64.4 ms a kernel (Worker.measure with `screen`), priced at 17.0, 22.2, 28.8
+# and 64.4. Sessions of 16 took 1.5-3.5x as long a kernel: the session's own part, about
+# 0.2-0.4 s, shared by fewer. (Priced before as 0.4 of the full verification, it came to
+# 1.3-1.7x these.)
+SCREEN_FIXED_S, SCREEN_CALLS, SCREEN_OUTPUT_S = 0.016, 31, 2.8e-11
 
 
 def verification_s(call_us: float | None, outputs: int = 0, screen: bool = False) -> float:
     """Seconds one kernel's verification and screening are expected to take, given the
     problem's fastest library call (us; None: unknown, the fixed part alone) and the
-    elements of its output (M x N); `screen`: verified by the screening checks alone."""
-    share = SCREEN_VERIFY_SHARE if screen else 1.0
-    return VERIFY_FIXED_S + share * ((call_us or 0.0) * 1e-6 * VERIFY_CALLS + outputs * VERIFY_OUTPUT_S)
+    elements of its output (M x N); `screen`: a kernel of a screening session (its
+    screening checks and rounds)."""
+    if screen:
+        return SCREEN_FIXED_S + (call_us or 0.0) * 1e-6 * SCREEN_CALLS + outputs * SCREEN_OUTPUT_S
+    return VERIFY_FIXED_S + (call_us or 0.0) * 1e-6 * VERIFY_CALLS + outputs * VERIFY_OUTPUT_S
+
+
+# A shape's first rung (its first screening pass: the first batch, batch x SCREEN candidates)
+# is screened whole where that is expected to take at most this share of the shape's time
+# budget, else as many as that share holds; later rungs screen what the budget leaves beside
+# the confirmation. Measured at --time-budget 5 (100 fresh grid shapes, H200), where the
+# confirmation's reserve (its timing, verification and, for calls of 100 us or more, soak:
+# about 3 s) came first, shapes of 100-1000 us calls screened 9 kernels in the median and
+# those above 1 ms one; 64 take 1.4-4.1 s there (above).
+FIRST_RUNG_SHARE = 1.0
 
 
 # Seconds of timing per method (Settings.budget) under a time budget: a tenth of the budget,
@@ -527,15 +542,17 @@ class ShapeRun:
     def _screen(self, items: list[Built], binaries: dict[str, str | None], rows: list[dict[str, Any]]) -> list[Built]:
         """Successive halving's first rung (Jamieson and Talwalkar, 2016): every kernel of
         the batch screened (the screening checks, then timed by the graph method alone for a
-        few rounds, Worker._screen), in sessions that fit the time left; its rows join
-        `rows` (status SCREENED where it passed: never ranked). Returns the second rung: the
-        best 1 / budget.screen of the batch by the screened ratio, best first, for the
-        full protocol."""
+        few rounds, Worker._screen), in sessions that fit the time left (the shape's first
+        rung: at least _first_rung of it); its rows join `rows` (status SCREENED where it
+        passed: never ranked). Returns the second rung: the best 1 / budget.screen of the
+        batch by the screened ratio, best first, for the full protocol."""
         passed = []
-        for session in self._sessions(items, screen=True, reserve=self.confirm_s):
+        owed = self._first_rung(items)
+        for session in self._sessions(items, screen=True, reserve=self.confirm_s, least=owed):
             left = self._time_left(self.confirm_s)  # what the confirmation leaves of the budget
-            if left is not None and left < self.per_screen_s and (self.verified or passed):
+            if left is not None and left < self.per_screen_s and owed <= 0 and (self.verified or passed):
                 break
+            owed -= len(session)
             self.seen_binaries.update(b for item in session if (b := binaries[item.source]) is not None)
             for item, row in zip(session, self._measure_session(session, screen=True), strict=True):
                 rows.append(row)
@@ -544,6 +561,15 @@ class ShapeRun:
                     passed.append((ratio, item))
         passed.sort(key=lambda pair: -pair[0])
         return [item for _, item in passed[:math.ceil(len(items) / self.budget.screen)]]
+
+    def _first_rung(self, items: list[Built]) -> int:
+        """How many of `items` the screening takes whatever the confirmation reserves: under a
+        time budget, in the shape's first screening pass, all of them where FIRST_RUNG_SHARE
+        of the budget holds them at the expected seconds a kernel, else as many as it holds;
+        otherwise none."""
+        if self.out.screened or self.budget.time_s is None or self.per_screen_s <= 0:
+            return 0
+        return min(len(items), int(self.budget.time_s * FIRST_RUNG_SHARE / self.per_screen_s))
 
     def _distinct_binaries(self, built: list[Built]) -> tuple[list[Built], dict[str, str | None]]:
         """The builds whose binary is not measured already (identical binaries are
@@ -558,14 +584,17 @@ class ShapeRun:
             binaries[item.source] = binary
         return fresh, binaries
 
-    def _sessions(self, items: list[Built], screen: bool = False, reserve: float = 0.0):
+    def _sessions(self, items: list[Built], screen: bool = False, reserve: float = 0.0, least: int = 0):
         """The batch's kernels, session by session (next_session; `screen`: screening
         sessions, at the seconds a kernel took in the latest of those), in the time left but
-        `reserve` seconds."""
+        `reserve` seconds; the first `least` of them whatever the time left."""
         items = list(items)
         while items:
             per_kernel_s = self.per_screen_s if screen else self.per_kernel_s
-            size = next_session(len(items), session_size(self.ctx), self._time_left(reserve), per_kernel_s)
+            most = session_size(self.ctx)
+            size = next_session(len(items), most, self._time_left(reserve), per_kernel_s)
+            size = max(size, min(least, len(items), most))
+            least -= size
             yield items[:size]
             del items[:size]
 
@@ -628,8 +657,9 @@ class ShapeRun:
         return max(self.confirm_s, kernels * self.per_kernel_s)
 
     def _reserve(self) -> float:
-        """Seconds a batch keeps for its confirmation: none without screening."""
-        return self.confirm_s if self.budget.screen > 1 else 0.0
+        """Seconds a batch needs beyond its proposal: one screened kernel and its
+        confirmation; none without screening (its sessions fit the time left)."""
+        return self.confirm_s + self.per_screen_s if self.budget.screen > 1 else 0.0
 
     def _overrun(self) -> float:
         """Seconds the run is past its time budget."""
