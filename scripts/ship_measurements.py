@@ -3,6 +3,9 @@ verified template configuration's row, without logs or sources) from a results d
 
     python scripts/ship_measurements.py [RESULTS_DIR ...]      (default: results)
     python scripts/ship_measurements.py --add RESULTS_DIR ...  (the shipped rows kept, these added)
+    python scripts/ship_measurements.py --add RESULTS_DIR --drop QUERY  (the shipped rows that match the
+        pandas query dropped first: a kernel whose code changed since, say
+        "template == 'sm90_splitk' and layout == 'nn' and params.str.contains('\"block_n\": 128')")
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ from cudal2.leaderboard import SHIPPED, Leaderboard, compact, shipped  # noqa: E
 parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
 parser.add_argument("results", type=Path, nargs="*", default=[Path("results")])
 parser.add_argument("--add", action="store_true", help="keep the shipped rows and add these directories' rows")
+parser.add_argument("--drop", metavar="QUERY", help="with --add: drop the shipped rows this pandas query selects")
 parser.add_argument("--to", type=Path, default=SHIPPED, help="the file written (default: the package's)")
 args = parser.parse_args()
 for results in args.results:
@@ -30,8 +34,15 @@ frames = [Leaderboard(results).read(protocol=None) for results in args.results]
 added = compact(pd.concat(frames, ignore_index=True)).num_rows
 if added == 0:
     sys.exit(f"{', '.join(map(str, args.results))}: no verified template rows; the shipped file is left as it was")
+if args.drop and not args.add:
+    sys.exit("--drop applies to the shipped rows kept by --add")
 if args.add:
-    frames.insert(0, shipped(protocol=None, path=args.to))
+    kept = shipped(protocol=None, path=args.to)
+    if args.drop:
+        stale = kept.query(args.drop, engine="python")
+        kept = kept.drop(stale.index)
+        print(f"{len(stale)} shipped rows dropped ({args.drop})")
+    frames.insert(0, kept)
 table = compact(pd.concat(frames, ignore_index=True))
 args.to.parent.mkdir(parents=True, exist_ok=True)
 pq.write_table(table, args.to, compression="zstd")

@@ -265,3 +265,10 @@ def test_ship_measurements_adds_new_results_to_what_was_shipped(tmp_path):
     refused = subprocess.run([*script, "--add", str(tmp_path / "none"), "--to", str(out)], capture_output=True, text=True)
     assert refused.returncode != 0 and "no leaderboard" in refused.stderr
     assert len(_read_part(out).to_pandas()) == 2  # left as it was
+    # rows of a kernel whose code changed since are dropped as the new ones join
+    third = tmp_path / "c"
+    Leaderboard(third).append([row("newer", 1.2, template="sm80_mma", params='{"split_k": 2}')])
+    done = subprocess.run([*script, "--add", str(third), "--to", str(out), "--drop",
+                           "template == 'sm80_mma' and params.str.contains('\"split_k\": 1')"],
+                          check=True, capture_output=True, text=True)
+    assert sorted(_read_part(out).to_pandas()["kernel"]) == ["new", "newer"] and "1 shipped rows dropped" in done.stdout
