@@ -12,8 +12,8 @@ measurements and, with --results, that leaderboard's problems; the same seed dra
 shapes; --regime keeps one regime's shapes (few-tile long-K, short-K: a regime's fresh set).
 `report` prints, per shape and over the set, the candidates screened and measured (over the
 set also by the shape's fastest library call, which a kernel's verification costs a multiple
-of), the time to the first verified kernel, the wall time (and what 1,000 shapes would take
-at its mean) and the best speedup (by regime too). `compare` prints, per shape of two runs over
+of), the time to the first verified kernel, the baselines' time, the wall time (and what 1,000
+shapes would take at its mean) and the best speedup (by regime too). `compare` prints, per shape of two runs over
 the same shapes, each run's best speedup and their ratio, and over the set the geometric
 mean of the ratios and the shapes within 2%.
 """
@@ -85,6 +85,13 @@ def report(run: dict) -> str:
               f"{len(shapes) - len(all_best)} ended without a measured kernel.",
               f"screened per shape: min {screened[0]}, median {statistics.median(screened):g}, max {screened[-1]}; "
               f"{sum(v >= 64 for v in screened)} of {len(shapes)} reached 64."]
+    # the baselines' session of each shape; the run's first also starts the GPU workers and builds
+    # the library shims, so it is told apart
+    if baselines := [s["baselines_s"] for s in shapes if s.get("baselines_s") is not None]:
+        rest = sorted(baselines[1:]) or baselines
+        lines.append(f"baselines per shape: median {statistics.median(rest):.2f} s, max {rest[-1]:.2f} s, "
+                     f"{sum(v > 2.0 for v in rest)} over 2 s (after the first shape, whose {baselines[0]:.1f} s "
+                     "start the GPU workers)")
     # by the shape's fastest library call: what a kernel's verification costs follows it
     for low, high in CALL_BANDS:
         band = sorted(s.get("screened", 0) for s in shapes if low <= (s.get("baseline_us") or 0.0) < high)
