@@ -330,6 +330,12 @@ PICKS = "cublaslt-picks.json"  # in the cache directory: {"entries": [{"key": ..
 # at most this timing budget, after this soak (long calls), so that with the autotuning the
 # baselines of a problem take about 2 s at most. Each kernel's session times them again beside it.
 SESSION_BUDGET_S, SESSION_SOAK_S = 0.2, 0.3
+# ... and at least this many rounds a process (a session of kernels: worker.MIN_ROUNDS, 5). On the
+# H200 the baselines of 8192^3 (1.5 ms calls) took 1.74 s, 0.66 s of it in 9 rounds a process
+# (fitting 0.2 s); a round of calls eight times as long (the grid's 16384^3) with cuBLASLt's
+# finalists beside the baselines is estimated at 0.2 s from that, so that 5 rounds a process
+# would take 2 s alone (a grid sample's baselines reached 2.83 s). Not yet measured at 3.
+SESSION_MIN_ROUNDS = 3
 
 
 def cublaslt_version() -> str | None:

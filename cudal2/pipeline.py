@@ -11,8 +11,8 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
-from .baselines import (PICKS, RETIMED, SESSION_BUDGET_S, SESSION_SOAK_S, algo_json, build_baselines, choose_finalist,
-                        cublaslt_version, pick_key, read_pick, write_pick)
+from .baselines import (PICKS, RETIMED, SESSION_BUDGET_S, SESSION_MIN_ROUNDS, SESSION_SOAK_S, algo_json,
+                        build_baselines, choose_finalist, cublaslt_version, pick_key, read_pick, write_pick)
 from .bench import INPUT_SETS, claimed
 from .candidate import Candidate
 from .compile import Build, Compiler
@@ -145,7 +145,7 @@ def measure_baselines(ctx: Context) -> list[dict[str, Any]]:
     finalists = first and session_size(ctx) >= RETIMED - 1  # up to RETIMED - 1 more contestants
     job = ctx.job("baselines", finalists=finalists)
     job["settings"] = {**job["settings"], "budget_s": min(job["settings"]["budget_s"], SESSION_BUDGET_S),
-                       "soak_s": SESSION_SOAK_S}
+                       "soak_s": SESSION_SOAK_S, "min_rounds": SESSION_MIN_ROUNDS}
     result = ctx.worker.request(job, ctx.settings.timeout)
     if result.get("status") != "ok":
         raise Cudal2Error(f"the library baselines failed ({result.get('status')}): {result.get('error')}")

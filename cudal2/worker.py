@@ -90,7 +90,7 @@ class Worker:
 
         A session of the protocol (op "baselines", or "kernels": verified kernels beside the
         baselines): both processes set up (the graph process autotunes first), then each
-        times rounds of its methods (at least MIN_ROUNDS) for the job's timing budget, which
+        times rounds of its methods (at least MIN_ROUNDS, or the job's `min_rounds`) for the job's timing budget, which
         grows with its contestants beyond one kernel and the baselines, so that each gets the
         rounds it would in a session of one kernel; after SOAK_S (or the job's `soak_s`) of
         untimed replays for calls (cuBLAS's) of SOAK_US or more. For
@@ -118,8 +118,8 @@ class Worker:
             temperature = gpu_temperature(self.device)  # what the clock at the power cap depends on
         for turn in ([(c,) for c in children] if short else [children]):
             deadline = time.perf_counter() + budget * (2 if len(turn) == 2 else 1)
-            rounds = 0
-            while rounds < MIN_ROUNDS or time.perf_counter() < deadline:
+            rounds, least = 0, job["settings"].get("min_rounds", MIN_ROUNDS)
+            while rounds < least or time.perf_counter() < deadline:
                 for child in turn:
                     if (answer := child.request({"op": "round"}, timeout)).get("status") != "ok":
                         return {**first, **answer, "timings": {}}

@@ -395,6 +395,21 @@ def test_calls_between_the_two_thresholds_alternate_without_a_soak():
     assert ops[2:-2] == [("graph", "round"), ("cupti", "round")] * MIN_ROUNDS
 
 
+def test_a_job_may_ask_for_fewer_rounds_than_a_session_of_kernels_gets():
+    """The baselines' own session (pipeline.measure_baselines) asks for 3 rounds a process:
+    with 5, the longest calls of the grid took over 2 s there alone."""
+    from cudal2.worker import INTERLEAVE_US
+
+    worker, log = two_phase_worker(
+        session_answers({"status": "ok", "typical_us": 2 * INTERLEAVE_US}, {"graph": {"kernel:0": 1}}),
+        session_answers({"status": "ok"}, {"kernel": {"kernel:0": 2}}))
+    few = job()
+    few["settings"] = {**few["settings"], "budget_s": 0.0, "min_rounds": 3}
+    worker.request(few, 10)
+    ops = [(name, op) for name, op, _ in log]
+    assert ops[2:-2] == [("graph", "round"), ("cupti", "round")] * 3
+
+
 def test_short_calls_are_timed_in_one_block_per_process_the_graph_first():
     from cudal2.worker import INTERLEAVE_US, MIN_ROUNDS
 
@@ -581,7 +596,7 @@ def test_the_baselines_session_is_short_and_reuses_the_choice_kept_on_this_machi
     """The first measurement of a problem autotunes and decides between the finalists; a
     later run (a fresh context) sends the kept choice and asks for none; a choice the worker
     found stale comes back re-made and replaces the kept one."""
-    from cudal2.baselines import PICKS, SESSION_BUDGET_S, SESSION_SOAK_S, read_pick
+    from cudal2.baselines import PICKS, SESSION_BUDGET_S, SESSION_MIN_ROUNDS, SESSION_SOAK_S, read_pick
     from cudal2.compile import Compiler
     from cudal2.config import Settings
     from cudal2.leaderboard import Leaderboard
@@ -611,6 +626,7 @@ def test_the_baselines_session_is_short_and_reuses_the_choice_kept_on_this_machi
     sent, chosen = run(autotuned, finalists=("cuBLASLt@0",))
     assert sent["finalists"] and "cublaslt" not in sent
     assert sent["settings"]["budget_s"] == SESSION_BUDGET_S and sent["settings"]["soak_s"] == SESSION_SOAK_S
+    assert sent["settings"]["min_rounds"] == SESSION_MIN_ROUNDS < 5  # fewer rounds than a kernel's session
     kept = read_pick(settings.cache_dir / PICKS, next(iter(json_entries(settings.cache_dir / PICKS)))["key"])
     assert kept == chosen and chosen["index"] == 0 and "finalists" not in kept  # the session's faster finalist
 
