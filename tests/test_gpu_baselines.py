@@ -18,8 +18,10 @@ from cudal2.worker import Worker
 
 pytestmark = pytest.mark.gpu
 
-# one per regime: few tiles and long K, short K, decode, large (a 1.4 ms call), unaligned
-SHAPES = [(64, 64, 16384), (4096, 4096, 128), (16, 4096, 4096), (8192, 8192, 8192), (4097, 4095, 4093)]
+# one per regime: few tiles and long K, short K, decode, large (a 1.4 ms call), unaligned; and
+# the grid's longest call (16384^3, about 12 ms)
+SHAPES = [(64, 64, 16384), (4096, 4096, 128), (16, 4096, 4096), (8192, 8192, 8192), (4097, 4095, 4093),
+          (16384, 16384, 16384)]
 LIMIT_S = 2.0
 
 
