@@ -334,7 +334,9 @@ SESSION_BUDGET_S, SESSION_SOAK_S = 0.2, 0.3
 # H200 the baselines of 8192^3 (1.5 ms calls) took 1.74 s, 0.66 s of it in 9 rounds a process
 # (fitting 0.2 s); a round of calls eight times as long (the grid's 16384^3) with cuBLASLt's
 # finalists beside the baselines is estimated at 0.2 s from that, so that 5 rounds a process
-# would take 2 s alone (a grid sample's baselines reached 2.83 s). Not yet measured at 3.
+# would take 2 s alone (a grid sample's baselines reached 2.83 s). With 3 (H200): 8192^3 1.72 s
+# first, 1.12 s with the kept choice; 16384^3 2.46 and 2.01 s, still over; over 99 fresh grid
+# shapes at --time-budget 5 (seed 20261304) a median of 0.89 s and at most 2.01 s.
 SESSION_MIN_ROUNDS = 3
 
 
