@@ -90,13 +90,13 @@ class Worker:
 
         A session of the protocol (op "baselines", or "kernels": verified kernels beside the
         baselines): both processes set up (the graph process autotunes first), then each
-        times rounds of its methods (at least MIN_ROUNDS, or the job's `min_rounds`) for the job's timing budget, which
-        grows with its contestants beyond one kernel and the baselines, so that each gets the
-        rounds it would in a session of one kernel; after SOAK_S (or the job's `soak_s`) of
-        untimed replays for calls (cuBLAS's) of SOAK_US or more. For
-        calls of INTERLEAVE_US or more, the two processes' rounds alternate (twice the budget
-        in all), so that clock and thermal drift fall on both methods alike; then each
-        returns its methods' timings. A screening session (job settings' `screen`): _screen."""
+        times rounds of its methods (at least MIN_ROUNDS, or the job's `min_rounds`) for the
+        job's timing budget, which grows with its contestants beyond one kernel and the
+        baselines, so that each gets the rounds it would in a session of one kernel; after
+        SOAK_S (or the job's `soak_s`) of untimed replays for calls (cuBLAS's) of SOAK_US or
+        more. For calls of INTERLEAVE_US or more, the two processes' rounds alternate (twice
+        the budget in all), so that clock and thermal drift fall on both methods alike; then
+        each returns its methods' timings. A screening session (job settings' `screen`): _screen."""
         if job["settings"].get("screen"):
             return self._screen(job, timeout)
         first = self._graph.request(job, timeout)
@@ -116,9 +116,10 @@ class Worker:
             if (answer := self._graph.request(soak, timeout)).get("status") != "ok":
                 return {**first, **answer, "timings": {}}
             temperature = gpu_temperature(self.device)  # what the clock at the power cap depends on
+        least = job["settings"].get("min_rounds", MIN_ROUNDS)
         for turn in ([(c,) for c in children] if short else [children]):
             deadline = time.perf_counter() + budget * (2 if len(turn) == 2 else 1)
-            rounds, least = 0, job["settings"].get("min_rounds", MIN_ROUNDS)
+            rounds = 0
             while rounds < least or time.perf_counter() < deadline:
                 for child in turn:
                     if (answer := child.request({"op": "round"}, timeout)).get("status") != "ok":

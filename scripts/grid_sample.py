@@ -13,9 +13,9 @@ shapes; --regime keeps one regime's shapes (few-tile long-K, short-K: a regime's
 `report` prints, per shape and over the set, the candidates screened and measured (over the
 set also by the shape's fastest library call, which a kernel's verification costs a multiple
 of), the time to the first verified kernel, the baselines' time, the wall time (and what 1,000
-shapes would take at its mean) and the best speedup (by regime too). `compare` prints, per shape of two runs over
-the same shapes, each run's best speedup and their ratio, and over the set the geometric
-mean of the ratios and the shapes within 2%.
+shapes would take at its mean) and the best speedup (by regime too). `compare` prints, per
+shape of two runs over the same shapes, each run's best speedup and their ratio, and over the
+set the geometric mean of the ratios and the shapes within 2%.
 """
 
 from __future__ import annotations
