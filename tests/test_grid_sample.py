@@ -31,13 +31,14 @@ def test_a_draw_is_fresh_grid_shapes_the_same_for_the_same_seed():
 
 
 def test_the_report_gives_the_screened_distribution_and_the_shapes_left_without_a_kernel():
-    def shape(m, n, k, screened, wall, best, call_us, baselines_s):
+    def shape(m, n, k, screened, wall, best, call_us, baselines_s, floor_us=1.0):
         return {"problem": {"m": m, "n": n, "k": k, "dtype": "fp16", "layout": "nn"}, "screened": screened,
                 "statuses": {"screened": screened, "ok": 2}, "first_verified_s": 1.5, "wall_s": wall,
-                "best": {"speedup_offline": best} if best else None, "baseline_us": call_us,
+                "best": {"speedup_offline": best, "floor_us": floor_us} if best else None, "baseline_us": call_us,
                 "baselines_s": baselines_s}
 
-    run = {"shapes": [shape(4096, 4096, 64, 70, 6.0, 1.2, 12.0, 17.0), shape(64, 64, 16384, 10, 5.0, 0.9, 6.5, 0.8),
+    run = {"shapes": [shape(4096, 4096, 64, 70, 6.0, 1.2, 12.0, 17.0, floor_us=11.7),
+                      shape(64, 64, 16384, 10, 5.0, 0.9, 6.5, 0.8),
                       shape(2048, 2048, 2048, 0, 4.0, None, 23.0, 2.5)]}
     text = grid_sample.report(run)
     assert "| 4096x4096x64 fp16 nn | short-K | 70 | 2 | 1.5 | 6.0 | 1.200 |" in text
@@ -49,6 +50,10 @@ def test_the_report_gives_the_screened_distribution_and_the_shapes_left_without_
     assert "library call 10-100 us: 2 shapes, screened min 0, median 35, max 70; 1 reached 64" in text
     assert "library call 100-" not in text
     assert "geomean 1.039" in text and "1 wins, 0 ties, 1 losses" in text
+    # where the library is within 3% of the floor (12.0 us against 11.7) no kernel could win
+    assert "the library within 3% of the floor (no win possible) at 1" in text
+    assert "short-K: 1 shapes, geomean 1.200, the library at the floor at 1" in text
+    assert "few-tile long-K: 1 shapes, geomean 0.900, the library at the floor at 0" in text
     # baselines at most 2 s a shape: the first shape's start of the workers told apart
     assert "baselines per shape: median 1.65 s, max 2.50 s, 1 over 2 s (after the first shape, whose 17.0 s" in text
 
