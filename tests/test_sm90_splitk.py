@@ -59,3 +59,46 @@ def test_two_warpgroup_n_major_configuration_builds_for_sm90a(compiler, producer
     assert forbidden_imports(build.imports) == []
     assert build.spill_bytes == 0
     assert build.declared["dynamic_smem_bytes"] == SPACE.facts(SPACE.resolve(params, 90, "sm90_splitk"), 90)["smem_bytes"]
+
+
+def _timeline():
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "splitk_timeline.py"
+    spec = importlib.util.spec_from_file_location("splitk_timeline", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+TIMELINE_CASES = [  # several clusters a tile; one cluster; no cluster, the producer one of the multiplying threads
+    ({"block_m": "64", "block_n": "64", "stages": "4", "split_k": "8", "k_clusters": "16", "producer": "warp"}, "fp16", "nn"),
+    ({"block_m": "128", "block_n": "128", "stages": "6", "split_k": "2", "k_clusters": "1", "producer": "warp"}, "bf16", "nt"),
+    ({"block_m": "128", "block_n": "64", "stages": "4", "split_k": "1", "k_clusters": "8", "producer": "thread"}, "fp16", "nn"),
+]
+
+
+@pytest.mark.parametrize("params, dtype, layout", TIMELINE_CASES)
+def test_the_timeline_probe_finds_every_phase_in_the_rendered_source(params, dtype, layout):
+    """benchmarks/splitk_timeline.py probes the rendered source at each phase of a CTA: a
+    change to the template that moves a phase's anchor fails here, not on the GPU."""
+    timeline = _timeline()
+    source = render(template_candidate("sm90_splitk", params, 90), Problem(1, 1, 1, dtype, layout))
+    probed = timeline.with_probes(source)
+    several = params["k_clusters"] != "1"
+    written = {i for i in range(8) if f"timeline[{i}] = " in probed}
+    assert written == ({0, 1, 2, 3, 4, 5, 6, 7} if several else {0, 1, 2, 3, 6, 7})
+    assert probed.count("timeline[6] = ") == (2 if several else 1)  # the last cluster's store, and the single cluster's
+    assert "cudal2_timeline_read" in probed and probed.startswith(source[:200])
+
+
+@pytest.mark.nvcc
+@pytest.mark.slow  # one CuTe TMA + GMMA build
+def test_the_timeline_probed_source_builds(compiler):
+    timeline = _timeline()
+    params, dtype, layout = TIMELINE_CASES[0]
+    build = compiler.compile(timeline.with_probes(render(template_candidate("sm90_splitk", params, 90),
+                                                         Problem(1, 1, 1, dtype, layout))))
+    assert build.status == "ok", build.log[-3000:]
+    assert {"cudal2_gemm", "cudal2_timeline_read", "cudal2_timeline_clear"} <= set(build.exports)
