@@ -1,0 +1,34 @@
+"""scripts/performance_page.py: docs/performance.md is the page the shipped measurements give,
+and its counts say where a kernel can still win."""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+from cudal2.leaderboard import shipped
+from cudal2.protocol import PROTOCOL, TIE
+from cudal2.roofline import floor_us, roof
+
+ROOT = Path(__file__).resolve().parents[1]
+spec = importlib.util.spec_from_file_location("performance_page", ROOT / "scripts" / "performance_page.py")
+performance_page = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(performance_page)
+
+
+def test_the_committed_page_is_the_one_the_shipped_measurements_give():
+    page = performance_page.page(shipped(PROTOCOL), "cudal2/data/measurements.parquet")
+    assert (ROOT / "docs" / "performance.md").read_text() == page, "run python scripts/performance_page.py"
+
+
+def test_the_summary_counts_every_problem_and_those_where_the_library_is_at_the_floor():
+    rows = performance_page.measured(shipped(PROTOCOL))
+    problems = len(rows)
+    # at the floor: the fastest library call within the tie band of the floor, by hand
+    by_hand = sum(r.baseline_offline_us <= floor_us(performance_page.Problem(int(r.m), int(r.n), int(r.k), r.dtype, r.layout),
+                                                    roof({"gpu": r.gpu})) * (1 + TIE) for r in rows.itertuples())
+    assert 0 < by_hand < problems
+    last = performance_page.summary(rows)[-1].split("|")
+    assert last[1].strip() == "all" and int(last[2]) == problems and int(last[-2]) == by_hand
+    # wins, ties and losses split the problems
+    assert sum(int(last[i]) for i in (4, 5, 6)) == problems
