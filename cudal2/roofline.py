@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 from .environment import dram_bandwidth, tensor_peak
 from .problem import Problem
+from .protocol import TIE
 
 REGIMES = ("unaligned", "decode", "few-tile long-K", "short-K", "large", "other")
 
@@ -47,6 +48,12 @@ def roof(device: dict) -> Roof | None:
 def floor_us(problem: Problem, at: Roof) -> float:
     """The least time `problem` can take on a GPU with roof `at`, in microseconds."""
     return max(problem.min_bytes / at.bytes_per_s, problem.flops / at.flops_per_s) * 1e6
+
+
+def at_floor(library_us: float, floor: float) -> bool:
+    """Whether a library call of `library_us` is within the tie band of the floor: no kernel can
+    win there (a win is beyond TIE)."""
+    return library_us <= floor * (1 + TIE)
 
 
 def regime(problem: Problem, sm_count: int = 132) -> str:

@@ -33,9 +33,9 @@ sys.path.insert(0, str(ROOT))
 
 from cudal2.leaderboard import Leaderboard, shipped  # noqa: E402
 from cudal2.problem import Problem  # noqa: E402
-from cudal2.roofline import REGIMES, regime  # noqa: E402
-from cudal2.shapes import read_shapes  # noqa: E402
 from cudal2.protocol import TIE  # noqa: E402
+from cudal2.roofline import REGIMES, at_floor, regime  # noqa: E402
+from cudal2.shapes import read_shapes  # noqa: E402
 from cudal2.tables import speedup_summary  # noqa: E402
 
 GRID = (64, 128, 256, 512, 1024, 2048, 4096, 8192, 12288, 16384)
@@ -70,14 +70,14 @@ def report(run: dict) -> str:
     shapes = run["shapes"]
     lines = ["| shape | regime | screened | measured | first verified s | wall s | best speedup |", "|---|---|---|---|---|---|---|"]
     by_regime: dict[str, list[float]] = {}
-    # Shapes whose fastest library call is already within TIE of the problem's floor: no kernel
-    # can win there, so the count bounds the wins a run can reach.
-    at_floor: dict[str, int] = {}
+    # Shapes whose fastest library call is already at the floor: no kernel can win there, so
+    # the count bounds the wins a run can reach.
+    floored: dict[str, int] = {}
     for s in shapes:
         p = Problem(**s["problem"])
         floor, library = (s.get("best") or {}).get("floor_us"), s.get("baseline_us")
-        if floor and library and library <= floor * (1 + TIE):
-            at_floor[regime(p)] = at_floor.get(regime(p), 0) + 1
+        if floor and library and at_floor(library, floor):
+            floored[regime(p)] = floored.get(regime(p), 0) + 1
         best = (s.get("best") or {}).get("speedup_offline")
         measured = sum(count for status, count in (s.get("statuses") or {}).items() if status != "screened")
         lines.append(f"| {p} | {regime(p)} | {s.get('screened', 0)} | {measured} | {s.get('first_verified_s')} | "
@@ -109,12 +109,12 @@ def report(run: dict) -> str:
     if all_best:
         lines.append(f"best speedup: geomean {summary['geomean_speedup']:.3f}, min {summary['min_speedup']:.3f}, "
                      f"{summary['wins']} wins, {summary['ties']} ties, {summary['losses']} losses; "
-                     f"the library within {TIE:.0%} of the floor (no win possible) at {sum(at_floor.values())}")
+                     f"the library within {TIE:.0%} of the floor (no win possible) at {sum(floored.values())}")
     for name in REGIMES:
         if by_regime.get(name):
             values = by_regime[name]
             lines.append(f"  {name}: {len(values)} shapes, geomean {math.exp(statistics.mean(map(math.log, values))):.3f}, "
-                         f"the library at the floor at {at_floor.get(name, 0)}")
+                         f"the library at the floor at {floored.get(name, 0)}")
     return "\n".join(lines)
 
 

@@ -16,7 +16,7 @@ import pandas as pd
 from cudal2.leaderboard import SHIPPED, shipped
 from cudal2.problem import Problem
 from cudal2.protocol import PROTOCOL, TIE, best
-from cudal2.roofline import REGIMES, floor_us, regime, roof
+from cudal2.roofline import REGIMES, at_floor, floor_us, regime, roof
 
 
 def geomean(values: pd.Series) -> float:
@@ -35,11 +35,6 @@ def measured(df: pd.DataFrame) -> pd.DataFrame:
     return rows
 
 
-def at_floor(rows: pd.DataFrame) -> pd.Series:
-    """Whether the fastest library call is within TIE of the floor: no kernel can win there."""
-    return rows["library_floor"] * (1 + TIE) >= 1
-
-
 def summary(rows: pd.DataFrame) -> list[str]:
     lines = ["| regime | shapes | geomean speedup | wins | ties | losses | worst | kernel / floor | library / floor "
              "| library at the floor |",
@@ -51,7 +46,7 @@ def summary(rows: pd.DataFrame) -> list[str]:
         s = part["speedup_offline"]
         lines.append(f"| {name} | {len(part)} | {geomean(s):.3f} | {(s > 1 + TIE).sum()} | {((s - 1).abs() <= TIE).sum()} "
                      f"| {(s < 1 - TIE).sum()} | {s.min():.3f} | {part['kernel_floor'].median():.2f} "
-                     f"| {part['library_floor'].median():.2f} | {at_floor(part).sum()} |")
+                     f"| {part['library_floor'].median():.2f} | {sum(map(at_floor, part['baseline_offline_us'], part['floor_us']))} |")
     return lines
 
 

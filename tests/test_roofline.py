@@ -58,3 +58,11 @@ def test_a_measured_row_carries_its_floor_and_the_fraction_it_reaches():
     floor = floor_us(Problem(64, 64, 16384), roof(H200))
     row = timing_columns(timings, "kernel", flops=2 * 64 * 64 * 16384, floor=floor)
     assert row["floor_us"] == pytest.approx(1.0, rel=0.02) and row["floor_fraction"] == pytest.approx(floor / 10.0)
+
+
+def test_a_library_call_within_the_tie_band_of_the_floor_leaves_no_win():
+    from cudal2.protocol import TIE
+    from cudal2.roofline import at_floor
+
+    assert at_floor(10.0, 10.0) and at_floor(10.0 * (1 + TIE), 10.0)
+    assert not at_floor(10.0 * (1 + TIE) + 0.01, 10.0)
