@@ -70,6 +70,12 @@ REGIONS = {  # a representative problem of each region of a model's shapes
     # (2.15x geomean on the H200): K split over several clusters per tile (sm80_mma k_clusters).
     "one tile, long-K": (64, 64, 16384),
     "few tiles, long-K": (128, 256, 16384),
+    # Fewer 128x128 output tiles than SMs on a wide output (M and N of 512-2048, K of 4096 or
+    # more): the search's best ran 0.78-0.84 of the fastest library call at 1024x512x4096,
+    # 1024x1024x12288 and 1024x1024x16384 (H200, 5 and 60 s budgets), where the cost model's
+    # first picks (K cut in two: one wave of 128 CTAs) were not in the set, so a time-budgeted
+    # run never measured them.
+    "wide few tiles, long-K": (1024, 1024, 8192),
 }
 VARIANTS = (("fp16", "nn"), ("bf16", "nt"))  # torch.matmul on fp16, F.linear on bf16
 

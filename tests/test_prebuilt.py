@@ -90,6 +90,23 @@ def test_a_near_best_kernel_of_a_template_that_serves_some_problems_only_is_in_t
     assert (entry.candidate.template, entry.candidate.param_dict, entry.dtype) == ("sm90_splitk", splitk, "fp16")
 
 
+def test_a_wide_output_of_fewer_tiles_than_sms_and_a_long_k_finds_a_kernel_that_fills_one_wave_built(monkeypatch):
+    # 1024x1024 is 64 tiles of 128x128 on 132 SMs: without K cut in two, half the GPU idles;
+    # cut in four, the CTAs run in two waves. A time-budgeted run measures only what is built.
+    region = {"wide few tiles, long-K": prebuilt.REGIONS["wide few tiles, long-K"]}
+    monkeypatch.setattr(prebuilt, "REGIONS", region)
+    monkeypatch.setattr(prebuilt, "VARIANTS", (("fp16", "nn"),))
+    entries = prebuilt.kernel_set(90, measured([{"params": sm80(), "speedup_offline": 1.0}]))
+    m, n, _ = region["wide few tiles, long-K"]
+    waves = []
+    for entry in entries:
+        params = entry.candidate.param_dict
+        if "cost model" in entry.why and entry.candidate.template == "sm90_cutlass":
+            ctas = -(-m // params["tile_m"]) * -(-n // params["tile_n"]) * params["splits"]
+            waves.append(ctas / 132)
+    assert waves and any(0.5 < w <= 1.0 for w in waves), waves
+
+
 def test_one_build_serves_every_shape_of_its_dtype_and_layout():
     for name in load_templates():
         candidate = template_candidate(name, {}, 90)
