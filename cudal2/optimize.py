@@ -186,7 +186,9 @@ class InFlight:
         self._repeats: list[tuple[Candidate, str]] = []
         self._compiled: list[Built] = []
         self._behind: list[Built] = []  # built behind the GPU (a time budget's), not yet taken into a batch
-        self._compiling_behind = 0  # this run's compiles behind the GPU not finished yet
+        # This run's compiles behind the GPU not finished yet: source -> when the build is
+        # expected (its submission plus its template's compile time, queueing aside).
+        self._due_behind: dict[str, float] = {}
         self.duplicates = 0  # candidates skipped: a claimed source, or a binary already measured
         self.compile_s = 0.0  # nvcc seconds of the compiles run (not cached)
 
@@ -216,15 +218,15 @@ class InFlight:
         with self._lock:
             return self._compiled + self._behind
 
-    def behind(self) -> None:
-        """A compile behind the GPU started."""
+    def behind(self, source: str, compile_s: float) -> None:
+        """A compile behind the GPU of `source` started, expected to take `compile_s`."""
         with self._lock:
-            self._compiling_behind += 1
+            self._due_behind[source] = time.monotonic() + compile_s
 
-    def built_behind(self, item: Built | None) -> None:
+    def built_behind(self, source: str, item: Built | None) -> None:
         """A compile behind the GPU ended: its build (None: stopped)."""
         with self._lock:
-            self._compiling_behind -= 1
+            self._due_behind.pop(source, None)
             if item is not None:
                 self._behind.append(item)
                 self.compile_s += 0.0 if item.build.cached else item.build.seconds
@@ -237,7 +239,12 @@ class InFlight:
 
     def compiling_behind(self) -> int:
         with self._lock:
-            return self._compiling_behind
+            return len(self._due_behind)
+
+    def first_due_behind(self) -> float | None:
+        """When the first of the compiles behind the GPU is expected to end (monotonic clock)."""
+        with self._lock:
+            return min(self._due_behind.values(), default=None)
 
     def add_compile_s(self, seconds: float) -> None:
         with self._lock:
@@ -379,6 +386,9 @@ class ShapeRun:
                 out.stopped = "time budget spent" if spent else "iterations done"
                 return
             if budget.patience is not None and stale >= budget.patience:
+                if self._drain_behind():
+                    stale = 0
+                    continue
                 out.stopped = f"no better kernel in {stale} batches (patience)"
                 pending.cancel()
                 return
@@ -408,6 +418,23 @@ class ShapeRun:
             self.out.stopped += f"; the {len(ready)} kernel(s) built by then measured"
             self.inflight.take_behind()
             self._measure_batch(ready, [])
+
+    def _drain_behind(self) -> bool:
+        """Patience counts batches whose proposals were measured. Under a time budget a
+        batch's unbuilt proposals compile behind the GPU (a CUTLASS build: about a minute), so
+        a run out of patience may not have measured what its search ranked first: while the
+        first of them is expected built with a confirmation's time of the budget left, each is
+        measured as it is built. True as soon as one improves the best (the search goes on)."""
+        while True:
+            built = [item for item in self.inflight.take_behind() if item.source not in self.early]
+            if not built:
+                due, left = self.inflight.first_due_behind(), self._time_left(self._reserve() or self.confirm_s)
+                if due is None or left is None or due - time.monotonic() > left:
+                    return False  # none compiling, no budget, or none expected built in time for it
+                if not (built := self._await_behind()):
+                    return False
+            if self._measure_batch(built, []):
+                return True
 
     def _await_behind(self) -> list[Built]:
         """With nothing else for the GPU: the builds made behind it, as soon as one is there
@@ -462,10 +489,10 @@ class ShapeRun:
         for proposal, source in later:
             if self.ended.is_set():  # a proposal the run did not wait for
                 break
-            self.inflight.behind()
+            self.inflight.behind(source, _compile_s(proposal))
             behind(self.ctx.compiler).submit(
                 self.number, _compile_s(proposal), source, generation,
-                lambda build, proposal=proposal, source=source: self.inflight.built_behind(
+                lambda build, proposal=proposal, source=source: self.inflight.built_behind(source,
                     None if build is None else Built(proposal, source, build)))
         return ready
 

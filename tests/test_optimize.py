@@ -851,6 +851,46 @@ def test_under_a_budget_the_gpu_measures_built_candidates_while_the_others_compi
     assert out.compile_s == pytest.approx(compiled_s) and out.stopped == "iterations done"
 
 
+def test_out_of_patience_under_a_budget_a_run_measures_what_still_compiles_behind_the_gpu(tmp_path, compiler):
+    """Patience counts batches whose proposals were measured: the first batch's unbuilt
+    candidate still compiles behind the GPU when the second batch (built, no better) runs out
+    of patience. The run waits for it within its budget, measures it, and it is the best
+    (the search goes on, until its proposer has nothing new)."""
+    problem = Problem(256, 256, 256)
+    built_a = template_candidate("sm80_mma", {}, 90)
+    built_b = template_candidate("sm80_mma", {"stages": "3"}, 90)
+    for candidate in (built_a, built_b):
+        compiler.compile(render(candidate, problem))
+    unbuilt = template_candidate("sm80_mma", {"stages": "5", "group_m": "1"}, 90)  # built by no other test
+    assert compiler.lookup(render(unbuilt, problem)) is None
+    worker = StandInWorker(times=[60.0, 70.0, 40.0])  # in the order measured
+    out = optimize(context(tmp_path, compiler, worker), Scripted([unbuilt, built_a], [built_b]),
+                   Budget(iterations=5, batch=2, time_s=600.0, patience=1))
+    measured = [r["kernel"] for r in out.rows if r["kernel"] not in BASELINES and r["status"] == "ok"]
+    assert measured == [str(built_a), str(built_b), str(unbuilt)]
+    assert out.best["kernel"] == str(unbuilt) and out.best["offline_us"] == 40.0
+    assert out.stopped == "the proposer has nothing new"
+
+
+def test_out_of_patience_a_run_does_not_wait_for_a_build_its_budget_cannot_hold(tmp_path, compiler):
+    """The same, with a CUTLASS build behind the GPU (35 s expected) and 20 s of budget: the
+    run stops on patience at once, and the build is stopped with it."""
+    import time as clock
+
+    problem = Problem(256, 256, 256)
+    built_a = template_candidate("sm80_mma", {}, 90)
+    built_b = template_candidate("sm80_mma", {"stages": "3"}, 90)
+    for candidate in (built_a, built_b):
+        compiler.compile(render(candidate, problem))
+    slow = template_candidate("sm90_cutlass", {"tile_n": "64"}, 90)
+    assert compiler.lookup(render(slow, problem)) is None
+    began = clock.monotonic()
+    out = optimize(context(tmp_path, compiler, StandInWorker(times=[60.0, 70.0])), Scripted([slow, built_a], [built_b]),
+                   Budget(iterations=5, batch=2, time_s=20.0, patience=1))
+    assert "patience" in out.stopped and clock.monotonic() - began < 10.0
+    assert str(slow) not in {r["kernel"] for r in out.rows} and compiler.lookup(render(slow, problem)) is None
+
+
 def test_a_run_whose_budget_ends_before_any_build_still_measures_the_quickest(tmp_path, monkeypatch):
     """From an empty cache, a budget spent at once: the quickest template's candidate is
     compiled first (behind the GPU), measured, and the run ends with a verified kernel; the
