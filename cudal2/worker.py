@@ -38,7 +38,10 @@ SOAK_US, SOAK_S = 100.0, 1.5
 # Rounds of a screening session (job settings' `screen`): the graph method alone, in the
 # graph process, each round one replay of every contestant's graph (its calls rotating
 # through the input sets, every output checked at the finish); no soak, no CUPTI process.
-SCREEN_ROUNDS = 3
+# Calls of LONG_SCREEN_US or more (a replay of three of them: 3 ms and more of device time)
+# get one round: the three were a fifth of a kernel's screening calls, and where calls take
+# milliseconds a 5 s budget screened 30-53 kernels, not 64 (H200, --time-budget 5).
+SCREEN_ROUNDS, LONG_SCREEN_US = 3, 1000.0
 
 
 class Worker:
@@ -136,12 +139,13 @@ class Worker:
 
     def _screen(self, job: dict[str, Any], timeout: float) -> dict[str, Any]:
         """A screening session: the graph process alone opens it, times SCREEN_ROUNDS rounds
-        of the graph method and finishes it (its checks, the physical limit): what a kernel's
+        (one for long calls: LONG_SCREEN_US) of the graph method and finishes it (its checks, the physical limit): what a kernel's
         rank among many needs, at a fraction of the protocol's time."""
         first = self._graph.request(job, timeout)
         if first.get("status") != "ok":
             return first
-        for _ in range(SCREEN_ROUNDS):
+        rounds = 1 if (first.get("typical_us") or 0.0) >= LONG_SCREEN_US else SCREEN_ROUNDS
+        for _ in range(rounds):
             if (answer := self._graph.request({"op": "round"}, timeout)).get("status") != "ok":
                 return {**first, **answer, "timings": {}}
         if (answer := self._graph.request({"op": "finish"}, timeout)).get("status") != "ok":

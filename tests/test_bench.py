@@ -664,6 +664,20 @@ def test_a_screening_session_verifies_each_kernel_then_times_the_graph_method_al
     assert set(results[0]["timings"]) == {"graph"} and results[2]["timings"]["graph"]["kernel"] == {"median_us": 11.0}
 
 
+def test_a_screening_session_of_millisecond_calls_times_one_round():
+    """Where the library's call takes a millisecond or more, one replay of a kernel's graph
+    (three calls) ranks it: a 5 s budget then screens more of the batch."""
+    from cudal2.worker import LONG_SCREEN_US
+
+    ok = {"status": "ok", "error": "", "max_error": 1e-4, "tolerance": 0.01}
+    for typical, rounds in ((LONG_SCREEN_US / 2, 3), (LONG_SCREEN_US, 1), (4 * LONG_SCREEN_US, 1)):
+        session = (session_answers({"status": "ok", "typical_us": typical}, {"graph": timed("kernel:0")}), None)
+        worker, log, _ = measuring_worker({"a.so": ok}, [session])
+        [result] = worker.measure(job(), ["a.so"], 10, screen=True)
+        assert result["status"] == "ok" and result["timings"]["graph"]["kernel"] == {"median_us": 10.0}
+        assert [op for _, op, _ in log if op in ("round", "finish")] == ["round"] * rounds + ["finish"], typical
+
+
 def test_a_screening_session_that_catches_a_kernel_convicts_it_alone_as_the_protocol_does():
     ok = {"status": "ok", "tolerance": 0.01}
     caught = lambda name: session_answers({"status": "ok"}, {}, failing_round=2, failure={
