@@ -13,7 +13,8 @@
 #     CUTLASS 2.x's Ampere GEMM (examples/cutlass2_sm80_gemm_fp16_nn.cu, four tilings) beside
 #     the sm80_mma sweep grid at 4096^3, in one bench run
 #   scripts/gpu_session.sh grid-sample -> SAMPLE (100) fresh random grid shapes (of REGIME, if set: "short-K",
-#     "few-tile long-K") drawn with SEED (record it),
+#     "few-tile long-K") drawn with SEED (record it), none of RESULTS' problems nor of EXCLUDE's (a
+#     results directory: earlier samples' leaderboards merged),
 #     tuned by cudal2 optimize --shapes --time-budget BUDGET (5), then scripts/grid_sample.py's report
 #     (screened per shape, wall time, best speedups by regime); run `cudal2 prebuild` first
 #   scripts/gpu_session.sh budget-compare -> SAMPLE (20) fresh grid shapes drawn with SEED, tuned twice from
@@ -72,7 +73,7 @@ for stage in "$@"; do
       done 2>&1 | tee -a "$out/devset-optimize.jsonl" ;;
     grid-sample)
       python3 scripts/grid_sample.py draw --count "${SAMPLE:-100}" --seed "${SEED:?SEED: a seed never used before}" \
-        --results "$results" ${REGIME:+--regime "$REGIME"} > "$out/grid-sample.csv"
+        --results "$results" ${EXCLUDE:+--results "$EXCLUDE"} ${REGIME:+--regime "$REGIME"} > "$out/grid-sample.csv"
       start=$(date +%s)
       cudal2 optimize --shapes "$out/grid-sample.csv" --time-budget "${BUDGET:-5}" --results "$results" --json \
         > "$out/grid-sample.json"
@@ -86,7 +87,7 @@ for stage in "$@"; do
         budgets=("${LONG:-60}")
       else
         python3 scripts/grid_sample.py draw --count "${SAMPLE:-20}" --seed "${SEED:?SEED: a seed never used before}" \
-          --results "$results" > "$out/budget-compare.csv"
+          --results "$results" ${EXCLUDE:+--results "$EXCLUDE"} > "$out/budget-compare.csv"
       fi
       for budget in "${budgets[@]}"; do
         cudal2 optimize --shapes "$out/budget-compare.csv" --time-budget "$budget" --results "$out/budget-$budget" \

@@ -1,14 +1,14 @@
 """Fresh random shapes of the 1,000-shape grid (M, N, K each one of 64 ... 16384, fp16 nn: the
 grid CUDA-L2 tunes), and what a tuning run over them did.
 
-    python3 scripts/grid_sample.py draw --count 100 --seed S [--results DIR] [--regime R] > shapes.csv
+    python3 scripts/grid_sample.py draw --count 100 --seed S [--results DIR ...] [--regime R] > shapes.csv
     cudal2 optimize --shapes shapes.csv --time-budget 5 --json > run.json
     python3 scripts/grid_sample.py report run.json [part2.json ...]   # a run made in several calls: one report
     python3 scripts/grid_sample.py compare short.json long.json   # the same shapes (or some of them), two budgets
     python3 scripts/grid_sample.py taken run.json --count 20 > some.csv   # the first 20 shapes a run tuned
 
 `draw` leaves out every shape measured before: the project's test shape sets, the shipped
-measurements and, with --results, that leaderboard's problems; the same seed draws the same
+measurements and, with --results (repeatable), those leaderboards' problems; the same seed draws the same
 shapes; --regime keeps one regime's shapes (few-tile long-K, short-K: a regime's fresh set).
 `report` prints, per shape and over the set, the candidates screened and measured (over the
 set also by the shape's fastest library call, which a kernel's verification costs a multiple
@@ -41,18 +41,20 @@ from cudal2.tables import speedup_summary  # noqa: E402
 GRID = (64, 128, 256, 512, 1024, 2048, 4096, 8192, 12288, 16384)
 
 
-def measured_before(results: Path | None) -> set[tuple[int, int, int, str, str]]:
-    """The problems of the test shape sets, the shipped measurements and `results`."""
+def measured_before(results: Path | list[Path] | None) -> set[tuple[int, int, int, str, str]]:
+    """The problems of the test shape sets, the shipped measurements and the results
+    directories `results` (one or several)."""
+    results = [results] if isinstance(results, Path) else list(results or [])
     seen = {(p.m, p.n, p.k, p.dtype, p.layout) for csv in sorted((ROOT / "tests" / "shapes").glob("*.csv"))
             for p in read_shapes(csv)}
     # Every protocol's rows: a shape measured by an earlier protocol was measured all the same.
-    for rows in [shipped(None)] + ([Leaderboard(results).read(None)] if results else []):
+    for rows in [shipped(None)] + [Leaderboard(r).read(None) for r in results]:
         if not rows.empty:
             seen |= set(rows[["m", "n", "k", "dtype", "layout"]].itertuples(index=False, name=None))
     return seen
 
 
-def draw(count: int, seed: int, results: Path | None, within: str | None = None) -> list[Problem]:
+def draw(count: int, seed: int, results: Path | list[Path] | None, within: str | None = None) -> list[Problem]:
     """`count` grid shapes never measured before (of one regime, `within`), drawn with `seed`."""
     seen = measured_before(results)
     fresh = [(m, n, k) for m in GRID for n in GRID for k in GRID if (m, n, k, "fp16", "nn") not in seen
@@ -153,7 +155,8 @@ def main(argv: list[str] | None = None) -> None:
     d = sub.add_parser("draw", help="print COUNT fresh grid shapes as a shape-set CSV")
     d.add_argument("--count", type=int, default=100)
     d.add_argument("--seed", type=int, required=True, help="record it: the same seed draws the same shapes")
-    d.add_argument("--results", type=Path, help="also leave out this results directory's problems")
+    d.add_argument("--results", type=Path, action="append",
+                   help="also leave out this results directory's problems (repeatable: earlier samples' too)")
     d.add_argument("--regime", choices=REGIMES, help="only shapes of this regime (cudal2/roofline.py)")
     r = sub.add_parser("report", help="summarise `cudal2 optimize --shapes ... --json` output")
     r.add_argument("run", type=Path, nargs="+", help="one run's output, or the parts of a sample run in several calls")

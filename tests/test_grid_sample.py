@@ -30,6 +30,22 @@ def test_a_draw_is_fresh_grid_shapes_the_same_for_the_same_seed():
         assert not {(p.m, p.n, p.k, p.dtype, p.layout) for p in drawn} & seen
 
 
+def test_a_draw_leaves_out_the_problems_of_every_results_directory_given(tmp_path):
+    from cudal2.leaderboard import Leaderboard
+
+    first = grid_sample.draw(5, seed=7, results=None)
+    for i, p in enumerate(first[:2]):  # two earlier samples, one shape each
+        Leaderboard(tmp_path / f"sample-{i}").append([{"run_id": "r", "m": p.m, "n": p.n, "k": p.k, "dtype": p.dtype,
+                                                       "layout": p.layout, "kernel": "cuBLAS", "status": "ok"}])
+    both = [tmp_path / "sample-0", tmp_path / "sample-1"]
+    key = lambda p: (p.m, p.n, p.k, p.dtype, p.layout)  # noqa: E731
+    assert grid_sample.measured_before(both) >= {key(p) for p in first[:2]}
+    assert key(first[1]) not in grid_sample.measured_before(both[0])  # one alone leaves the other's in
+    for seed in range(7, 27):
+        again = grid_sample.draw(60, seed=seed, results=both)
+        assert first[0] not in again and first[1] not in again
+
+
 def test_the_report_gives_the_screened_distribution_and_the_shapes_left_without_a_kernel():
     def shape(m, n, k, screened, wall, best, call_us, baselines_s, floor_us=1.0):
         return {"problem": {"m": m, "n": n, "k": k, "dtype": "fp16", "layout": "nn"}, "screened": screened,
