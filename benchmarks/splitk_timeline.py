@@ -69,10 +69,12 @@ def with_probes(source: str) -> str:
         after("    if (tid == 0) {\n      unsigned int before;\n", "      timeline[4] = timeline_now();\n")
         after("      if (last) *arrivals = 0;  // every cluster has arrived: ready for the next call\n",
               "      timeline[5] = timeline_now();\n")
-        after("          store(rank * ROWS + idx / QUADS, (idx % QUADS) * 4, sum);\n        }\n      }\n    }\n",
-              "    if (tid == 0) timeline[6] = timeline_now();\n")
+        after("            store(rank * ROWS + idx / QUADS, (idx % QUADS) * 4, sum);\n          }\n        }\n      }\n",
+              "      if (tid == 0) timeline[6] = timeline_now();\n")
+    # the single cluster's store (a build for several runs one where they would not fill the GPU)
+    single = "gridDim.y == 1 && " if "tile_arrivals + pid" in source else ""
     end = source.rfind("#endif\n}")
-    source = source[:end] + "  if (tid == 0) timeline[6] = timeline_now();\n" + source[end:]
+    source = source[:end] + f"  if ({single}tid == 0) timeline[6] = timeline_now();\n" + source[end:]
     return source + READER
 
 

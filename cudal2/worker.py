@@ -139,8 +139,9 @@ class Worker:
 
     def _screen(self, job: dict[str, Any], timeout: float) -> dict[str, Any]:
         """A screening session: the graph process alone opens it, times SCREEN_ROUNDS rounds
-        (one for long calls: LONG_SCREEN_US) of the graph method and finishes it (its checks, the physical limit): what a kernel's
-        rank among many needs, at a fraction of the protocol's time."""
+        (one for long calls: LONG_SCREEN_US) of the graph method and finishes it (its checks,
+        the physical limit): what a kernel's rank among many needs, at a fraction of the
+        protocol's time."""
         first = self._graph.request(job, timeout)
         if first.get("status") != "ok":
             return first
