@@ -17,8 +17,8 @@ from .baselines import FINALIST, abi_call, cublas_gemm, library_calls
 from .environment import describe_device, device_error
 from .measure import CuptiTimer, Session
 from .problem import Problem
-from .verify import (UNIT_ROUNDOFF, Kernel, Numerics, Operands, Rejected, compare, physical_floor_us, poison_output,
-                     seed_from_os, verify)
+from .verify import (UNIT_ROUNDOFF, Kernel, Numerics, Operands, Rejected, ScreenInputs, compare, physical_floor_us,
+                     poison_output, seed_from_os, verify)
 
 
 def main(fd: str, device: str, cupti: str) -> None:
@@ -99,19 +99,52 @@ def _methods(job: dict[str, Any]) -> tuple[str, ...]:
 
 def _kernel_job(job: dict[str, Any], environment: dict[str, Any], timer) -> dict[str, Any]:
     """Verifies one kernel (graph process): in full, or a screening session's checks (verify's
-    `screen`) where the job's settings say `screen`."""
+    `screen`, on the process's shared inputs: _screen_inputs) where the job's settings say `screen`."""
     import cupy
 
     problem = Problem(**job["problem"])
     rng = random.Random(seed_from_os())
     stream = cupy.cuda.Stream(non_blocking=True)
     kernel = Kernel(job["library"])
+    screen = bool(job["settings"].get("screen"))
+    if not screen:
+        _drop_screen_inputs()
     with stream:
-        verdict = verify(kernel, problem, stream, cublas_gemm(problem, stream), rng,
-                         screen=bool(job["settings"].get("screen")))
+        inputs = _screen_inputs(problem, kernel, stream, rng) if screen else None
+        verdict = verify(kernel, problem, stream, cublas_gemm(problem, stream), rng, screen=screen, inputs=inputs)
         result = {"status": verdict.status, "error": verdict.reason,
                   "max_error": verdict.max_error, "tolerance": verdict.tolerance, "left_error": kernel.left_error}
     return result
+
+
+# The screening checks' inputs of this process (verify.ScreenInputs), shared by the kernels it
+# screens on one problem: built by the first, checked intact before each next one, dropped by a
+# full verification or the next session. At most SCREEN_INPUTS_SHARE of the device's free memory;
+# where they would take more, each kernel's checks draw inputs of their own.
+_SCREEN: dict[str, ScreenInputs] = {}
+SCREEN_INPUTS_SHARE = 0.25
+
+
+def _screen_inputs(problem: Problem, kernel: Kernel, stream, rng) -> ScreenInputs | None:
+    import cupy
+
+    workspace = kernel.workspace_bytes(problem.m, problem.n, problem.k)
+    kept = _SCREEN.get("inputs")
+    if kept is not None and kept.serves(problem, workspace) and kept.intact():
+        return kept
+    if kept is not None and kept.problem == problem:
+        workspace = max(workspace, kept.workspace_bytes)  # a wider one for this kernel and those before
+    _drop_screen_inputs()
+    if ScreenInputs.nbytes(problem, workspace) > SCREEN_INPUTS_SHARE * cupy.cuda.runtime.memGetInfo()[0]:
+        return None
+    inputs = _SCREEN["inputs"] = ScreenInputs(problem, workspace, cublas_gemm(problem, stream), rng)
+    return inputs
+
+
+def _drop_screen_inputs() -> None:
+    if _SCREEN:
+        _SCREEN.clear()
+        _release_memory()
 
 
 def _kernels_job(job: dict[str, Any], environment: dict[str, Any], timer) -> dict[str, Any]:
@@ -196,9 +229,10 @@ def _memory_job(job: dict[str, Any], environment: dict[str, Any], timer) -> dict
 
 
 def _close_session() -> None:
-    """Drops this process's open session (one the other process's failure left open, say)
-    and its buffers, before a new one allocates."""
+    """Drops this process's open session (one the other process's failure left open, say),
+    its buffers and the screening checks' inputs, before a new one allocates."""
     _SESSION.clear()
+    _SCREEN.clear()
     _release_memory()
 
 

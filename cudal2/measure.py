@@ -22,6 +22,7 @@ from .bench import INPUT_SETS, graph_rounds, kernel_rounds, summarize
 from .problem import Problem
 from .protocol import OFFLINE_METHODS
 from .verify import UNIT_ROUNDOFF, Numerics, Rejected, compare, poison_output
+from .worker import LONG_SCREEN_US
 
 # The graph method's neighbour of each call: an in-place elementwise pass (sin) over 512 KB,
 # as an activation between two GEMMs of a model is. Measured on an H200 with the earlier
@@ -168,10 +169,12 @@ def graph_calls(names, run, sets: InputSets, stream, reference: str | None = Non
     return INPUT_SETS * max(1, min(20, round(target_us / per_call / INPUT_SETS))), typical
 
 
-def graphs(names, run, sets: InputSets, stream, calls: int, neighbour: Callable[[], None] | None = None):
+def graphs(names, run, sets: InputSets, stream, calls: int, neighbour: Callable[[], None] | None = None,
+           warm: bool = True):
     """Captures each contestant's graph (`calls` x neighbour + call, cycling the sets) and
     the neighbours' alone; returns replay(name or None) -> device us. `neighbour` launches
-    the kernel ahead of each call (default: the protocol's, neighbour_kernel)."""
+    the kernel ahead of each call (default: the protocol's, neighbour_kernel). Each graph is
+    replayed once, untimed (`warm`), else only uploaded to the device."""
     import cupy
 
     neighbour = neighbour or neighbour_kernel(stream)
@@ -196,7 +199,11 @@ def graphs(names, run, sets: InputSets, stream, calls: int, neighbour: Callable[
         return cupy.cuda.get_elapsed_time(start, end) * 1e3
 
     for name in graphs:  # warm: first replays upload the graph
-        replay(name)
+        if warm:
+            replay(name)
+        else:
+            graphs[name].upload(stream)
+    stream.synchronize()
     return replay
 
 
@@ -242,7 +249,10 @@ class Session:
                 self.calls, self.typical_us = graph_calls(timed, run, self.sets, stream, reference="cuBLAS")
                 for s in range(INPUT_SETS):
                     self.refresh(s)
-                self.replay = graphs(self.names, run, self.sets, stream, self.calls)
+                # a screening session of long calls times one round: its graphs are uploaded,
+                # not replayed first (three calls of a millisecond or more each)
+                long_screen = bool(settings.get("screen")) and self.typical_us >= LONG_SCREEN_US
+                self.replay = graphs(self.names, run, self.sets, stream, self.calls, warm=not long_screen)
         if "server" in self.methods:
             qps, gaps = settings.get("qps", 200.0), random.Random(seed + 3)
             l2 = cupy.empty(2 * environment["l2_bytes"], dtype=cupy.uint8)

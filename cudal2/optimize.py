@@ -58,9 +58,12 @@ VERIFY_FIXED_S, VERIFY_CALLS, VERIFY_OUTPUT_S = 0.03, 80, 1.6e-10
 # 1.3-1.7x these.)
 SCREEN_FIXED_S, SCREEN_CALLS, SCREEN_OUTPUT_S = 0.016, 31, 2.8e-11
 # Since fitted, counted (not yet measured again): a session's opening times cuBLAS alone for
-# its graphs' length (it timed three calls of every contestant), and screening sessions of
-# calls of LONG_SCREEN_US or more replay each graph (three calls) once, not three times.
-OPENING_CALLS, LONG_SCREEN_CALLS = 3, 6
+# its graphs' length (it timed three calls of every contestant); screening sessions of calls
+# of LONG_SCREEN_US or more time each graph (three calls) once, not three times, and upload
+# it where they replayed it first (three calls more); and the kernels of a screening pass
+# share their checks' inputs (verify.ScreenInputs: three reference products and two library
+# calls a kernel, computed once a pass).
+OPENING_CALLS, LONG_SCREEN_CALLS, SHARED_CHECK_CALLS = 3, 9, 5
 
 
 def verification_s(call_us: float | None, outputs: int = 0, screen: bool = False) -> float:
@@ -70,7 +73,7 @@ def verification_s(call_us: float | None, outputs: int = 0, screen: bool = False
     screening checks and rounds)."""
     us = call_us or 0.0
     if screen:
-        calls = SCREEN_CALLS - OPENING_CALLS - (LONG_SCREEN_CALLS if us >= LONG_SCREEN_US else 0)
+        calls = SCREEN_CALLS - OPENING_CALLS - SHARED_CHECK_CALLS - (LONG_SCREEN_CALLS if us >= LONG_SCREEN_US else 0)
         return SCREEN_FIXED_S + us * 1e-6 * calls + outputs * SCREEN_OUTPUT_S
     return VERIFY_FIXED_S + us * 1e-6 * (VERIFY_CALLS - OPENING_CALLS) + outputs * VERIFY_OUTPUT_S
 

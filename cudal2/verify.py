@@ -299,14 +299,18 @@ class Operands:
 
     Every byte outside C and the workspace (the guard bands, A and B) is compared with a
     snapshot after each call: a write outside C, or into A or B, changes it. The guard bands
-    hold random bytes.
+    hold random bytes. With `kept_sets`, the allocation also holds that many kept input sets
+    (keep(): a copy of A and B and their fp32 reference product), watched as the guard bands
+    are (a call that writes to one writes outside C); load() puts one back in A and B, at the
+    same addresses whichever set it is.
     """
 
-    def __init__(self, problem: Problem, workspace_bytes: int, numerics: Numerics):
+    def __init__(self, problem: Problem, workspace_bytes: int, numerics: Numerics, kept_sets: int = 0):
         cp = self.cp = numerics.cp
         self.problem, self.num = problem, numerics
         p, item = problem, cp.dtype(numerics.storage).itemsize
-        sizes = [p.m * p.k * item, p.b_shape[0] * p.b_shape[1] * item, p.m * p.n * item, max(workspace_bytes, 1)]
+        inputs = [p.m * p.k * item, p.b_shape[0] * p.b_shape[1] * item]
+        sizes = [*inputs, p.m * p.n * item, max(workspace_bytes, 1)] + [*inputs, p.m * p.n * 4] * kept_sets
         starts, end = [], 0
         self._raw = cp.empty(sum(GUARD + -(-size // ALIGN) * ALIGN for size in sizes) + GUARD, dtype=cp.uint8)
         for size in sizes:
@@ -315,14 +319,58 @@ class Operands:
             end = starts[-1] + -(-size // ALIGN) * ALIGN
         self._raw[end:] = cp.random.randint(0, 256, GUARD, dtype=cp.uint8)
         self._snapshot = self._raw.copy()
-        self._ranges = cp.asarray([bound for start, size in zip(starts, sizes) for bound in (start, start + size)],
+        # A and B (inputs), then C and the workspace (writable): what the checks tell apart
+        self._ranges = cp.asarray([bound for start, size in zip(starts[:4], sizes[:4]) for bound in (start, start + size)],
                                   dtype=cp.int64)
-        view = lambda i, shape, dtype: cp.ndarray(shape, dtype=dtype, memptr=self._raw.data + starts[i])
+        view = lambda i, shape, dtype, of=self._raw: cp.ndarray(shape, dtype=dtype, memptr=of.data + starts[i])
         self.a = view(0, (p.m, p.k), numerics.storage)
         self.b = view(1, p.b_shape, numerics.storage)
         self.c = view(2, (p.m, p.n), numerics.storage)
         self.ws_bytes = workspace_bytes
         self.ws = view(3, (max(workspace_bytes, 1),), cp.uint8)
+        self._watched = (view(0, (p.m, p.k), numerics.storage, self._snapshot),
+                         view(1, p.b_shape, numerics.storage, self._snapshot))  # A and B as the snapshot holds them
+        self._kept = [(view(4 + 3 * i, (p.m, p.k), numerics.storage), view(5 + 3 * i, p.b_shape, numerics.storage),
+                       view(6 + 3 * i, (p.m, p.n), cp.float32)) for i in range(kept_sets)]
+        self._calibrations: list[float] = []  # the trusted library's error on each kept set
+        self.current: int | None = None  # the kept set in A and B (keep, load; fill drops it)
+
+    @property
+    def kept(self) -> bool:
+        """Whether A and B hold a kept set, whose reference is kept."""
+        return self.current is not None
+
+    @property
+    def calibration(self) -> float:
+        """The trusted library's error on the kept set in A and B."""
+        return self._calibrations[self.current]
+
+    def keep(self, baseline) -> None:
+        """Keeps the current inputs as the next kept set: a copy of A and B, their reference
+        product and the trusted library's error against it, each computed once for every
+        later check of the set (needs `kept_sets`)."""
+        cp = self.cp
+        index = len(self._calibrations)
+        a, b, ref = self._kept[index]
+        a[...] = self.a
+        b[...] = self.b
+        cublas_product(self.problem, cp.cuda.get_current_stream(), self.a, self.b, ref)
+        trusted = cp.empty_like(self.c)
+        baseline(self.a, self.b, trusted)
+        slots = cp.zeros(3, cp.uint32)
+        self.num.errors(trusted, ref, slots)
+        self._calibrations.append(_judged(trusted, slots.get(), self.num)[0])
+        self._snapshot[...] = self._raw
+        self.current = index
+
+    def load(self, index: int) -> None:
+        """Kept set `index` into A and B (and the snapshot's A and B): new data under the
+        pointers of the last call, as a user's next call may bring."""
+        a, b, _ = self._kept[index]
+        for live, watched, kept in zip((self.a, self.b), self._watched, (a, b)):
+            live[...] = kept
+            watched[...] = kept
+        self.current = index
 
     def changes(self, slots) -> None:
         """Queues the comparison with the snapshot into two zeroed uint32 `slots`: [0] set by
@@ -341,6 +389,10 @@ class Operands:
 
     def stray_writes(self) -> bool:
         return self._changed()[0]
+
+    def intact(self) -> bool:
+        """Nothing but C and the workspace changed since the snapshot."""
+        return not any(self._changed())
 
     def inputs_intact(self) -> bool:
         return not self._changed()[1]
@@ -365,6 +417,7 @@ class Operands:
         self.num.cast(a32, self.a)
         self.num.cast(cp.ascontiguousarray(b32), self.b)
         self._snapshot[...] = self._raw
+        self.current = None
 
     def _draw(self, gen, distribution: str, shape):
         cp = self.cp
@@ -384,6 +437,7 @@ class Operands:
         where = self.cp.asarray(rng.sample(range(flat.size), min(count, flat.size)))
         flat[where] = self.cp.float16(8.0) if self.num.dtype == "fp16" else self.cp.uint16(0x4100)  # bf16 8.0
         self._snapshot[...] = self._raw
+        self.current = None
 
     def poison(self, rng) -> None:
         """NaN in C (poison_output); random bytes in the workspace."""
@@ -397,10 +451,12 @@ class Operands:
 
     def reference(self):
         """fp32-accumulated product of the current inputs: cuBLAS on the 16-bit inputs with an
-        fp32 output (cublas_product), on the current stream. (An fp32 SGEMM on fp32 copies gives
-        the same exact products at the fp32 units' rate: about 13x the time of the 16-bit call,
-        seconds a verification on a large problem.)"""
+        fp32 output (cublas_product), on the current stream; the kept one where kept. (An fp32
+        SGEMM on fp32 copies gives the same exact products at the fp32 units' rate: about 13x
+        the time of the 16-bit call, seconds a verification on a large problem.)"""
         cp = self.cp
+        if self.kept:
+            return self._kept[self.current][2]
         out = cp.empty((self.problem.m, self.problem.n), dtype=cp.float32)
         cublas_product(self.problem, cp.cuda.get_current_stream(), self.a, self.b, out)
         return out
@@ -446,13 +502,49 @@ DISTRIBUTIONS = ("normal", "uniform", "positive", "accumulation")
 SCREEN_DISTRIBUTIONS = ("normal", "accumulation")
 
 
-def verify(kernel: Kernel, problem: Problem, stream, baseline, rng, screen: bool = False) -> Verdict:
+class ScreenInputs:
+    """The screening checks' inputs, shared by the kernels that one process screens on one
+    problem: one allocation of operands (Operands) keeping a set for each of
+    SCREEN_DISTRIBUTIONS, each with its reference product and the trusted library's error,
+    computed once. Each kernel's checks had drawn them afresh: three fills, three reference
+    products and two library calls a kernel, where its own calls are three. A kernel's checks
+    load each set in turn into the same A and B, so that a result cached under the pointers
+    of its first call is still caught by its second. The kept sets lie in the watched
+    allocation: a kernel that writes to one is a cheat by its own checks, and never leaves
+    the next kernel wrong inputs or a wrong reference."""
+
+    def __init__(self, problem: Problem, workspace_bytes: int, baseline, rng):
+        self.problem, self.workspace_bytes = problem, workspace_bytes
+        self.ops = Operands(problem, workspace_bytes, Numerics(problem.dtype), kept_sets=len(SCREEN_DISTRIBUTIONS))
+        for dist in SCREEN_DISTRIBUTIONS:
+            self.ops.fill(dist, rng)
+            self.ops.keep(baseline)
+
+    @staticmethod
+    def nbytes(problem: Problem, workspace_bytes: int) -> int:
+        """Device bytes they take (the allocation and its snapshot), about."""
+        p, sets = problem, len(SCREEN_DISTRIBUTIONS)
+        inputs = 2 * (p.m * p.k + p.b_shape[0] * p.b_shape[1])
+        return 2 * ((1 + sets) * inputs + p.m * p.n * (2 + 4 * sets) + workspace_bytes + (5 + 3 * sets) * (GUARD + ALIGN))
+
+    def serves(self, problem: Problem, workspace_bytes: int) -> bool:
+        return problem == self.problem and workspace_bytes <= self.workspace_bytes
+
+    def intact(self) -> bool:
+        """As kept: each kernel's checks leave them so or convict it, but work a kernel left
+        running behind its checks' backs may not."""
+        return self.ops.intact()
+
+
+def verify(kernel: Kernel, problem: Problem, stream, baseline, rng, screen: bool = False,
+           inputs: ScreenInputs | None = None) -> Verdict:
     """Runs every check on `kernel`; the first failure decides the verdict. A CUDA error its
     calls left pending (kernel.left_error) is named in the reason of a verdict other than ok.
     `screen`: the screening pass's checks only (_verify), a sixth or less of the calls; a
-    screened row is never ranked, and a kernel confirmed after it is verified in full."""
+    screened row is never ranked, and a kernel confirmed after it is verified in full.
+    `inputs`: the screening checks' shared inputs (else drawn for this kernel alone)."""
     try:
-        verdict = _verify(kernel, problem, stream, baseline, rng, screen)
+        verdict = _verify(kernel, problem, stream, baseline, rng, screen, inputs)
     except Rejected as r:
         verdict = Verdict(r.status, str(r))
     if verdict.status != "ok" and kernel.left_error:
@@ -463,7 +555,9 @@ def verify(kernel: Kernel, problem: Problem, stream, baseline, rng, screen: bool
 def checked_call(ops: Operands, kernel: Kernel, stream, rng, what: str, baseline,
                   keep_workspace: bool = False) -> tuple[float, float]:
     """Poison (C, and the workspace unless `keep_workspace`), call, then every check on one
-    call, read back at once; returns (error, tolerance)."""
+    call, read back at once; returns (error, tolerance). Operands whose reference is kept
+    (shared by several kernels' checks) are checked against it, and a call that declines
+    them must leave them as they were."""
     if keep_workspace:
         poison_output(ops.c)
     else:
@@ -472,42 +566,55 @@ def checked_call(ops: Operands, kernel: Kernel, stream, rng, what: str, baseline
     code = ops.call(kernel, stream)
     stream.synchronize()
     if code != 0:
+        if ops.kept and not ops.intact():
+            raise Rejected("cheat", f"cudal2_gemm returned {code} ({what}) but wrote outside C or into A or B")
         raise Rejected("unsupported", f"cudal2_gemm returned {code} for {ops.problem.m}x{ops.problem.n}x{ops.problem.k} ({what})")
     cp = ops.cp
     slots = cp.zeros(8, cp.uint32)  # changes (2), then the kernel's errors (3), then the trusted library's (3)
     ops.changes(slots[0:2])
     ref = ops.reference()
     ops.num.errors(ops.c, ref, slots[2:5])
-    trusted = cp.empty_like(ops.c)
-    baseline(ops.a, ops.b, trusted)
-    ops.num.errors(trusted, ref, slots[5:8])
+    if not ops.kept:
+        trusted = cp.empty_like(ops.c)
+        baseline(ops.a, ops.b, trusted)
+        ops.num.errors(trusted, ref, slots[5:8])
     slots = slots.get()
     if slots[0]:
-        raise Rejected("cheat", f"wrote outside C (a guard band changed) on {what}")
+        watched = "a guard band or a kept input set" if ops.kept else "a guard band"
+        raise Rejected("cheat", f"wrote outside C ({watched} changed) on {what}")
     if slots[1]:
         raise Rejected("cheat", f"modified A or B on {what}")
-    err, tol, why = _judged(ops.c, slots[2:5], ops.num, _judged(trusted, slots[5:8], ops.num)[0])
+    calibration = ops.calibration if ops.kept else _judged(trusted, slots[5:8], ops.num)[0]
+    err, tol, why = _judged(ops.c, slots[2:5], ops.num, calibration)
     if why:
         raise Rejected("wrong", f"{what}: {why}")
     return err, tol
 
 
-def _verify(kernel: Kernel, problem: Problem, stream, baseline, rng, screen: bool = False) -> Verdict:
+def _verify(kernel: Kernel, problem: Problem, stream, baseline, rng, screen: bool = False,
+            inputs: ScreenInputs | None = None) -> Verdict:
     num = Numerics(problem.dtype)
     ws = kernel.workspace_bytes(problem.m, problem.n, problem.k)
-    first = Operands(problem, ws, num)
     worst = (0.0, 0.0)
     if screen:
         # The screening pass's checks: right (fp32 accumulation included) on two calls, nothing
         # written outside C or into A and B, and all of its work on the given stream, so that
         # the screening session's graph times it whole. What only a ranked row needs (cached
         # results, the timer, odd shapes) waits for the full verification of the confirmation.
-        for dist in SCREEN_DISTRIBUTIONS:
-            first.fill(dist, rng)
-            worst = max(worst, checked_call(first, kernel, stream, rng, f"{dist} inputs", baseline))
-        _graph_check(first, kernel, stream, rng)
+        shared = inputs is not None and inputs.serves(problem, ws)
+        ops = inputs.ops if shared else Operands(problem, ws, num)
+        for index, dist in enumerate(SCREEN_DISTRIBUTIONS):
+            if shared:
+                ops.load(index)
+            else:
+                ops.fill(dist, rng)
+            worst = max(worst, checked_call(ops, kernel, stream, rng, f"{dist} inputs", baseline))
+        if shared:
+            ops.load(SCREEN_DISTRIBUTIONS.index("normal"))
+        _graph_check(ops, kernel, stream, rng)
         return Verdict("ok", max_error=worst[0], tolerance=worst[1])
 
+    first = Operands(problem, ws, num)
     second = Operands(problem, ws, num)
     # Same pointers with new data (cached results), new pointers (pointer-keyed state),
     # several distributions including one that exposes low-precision accumulation.
@@ -550,10 +657,12 @@ def _verify(kernel: Kernel, problem: Problem, stream, baseline, rng, screen: boo
 
 def _graph_check(ops: Operands, kernel: Kernel, stream, rng) -> None:
     """Work outside the given stream (another stream, the legacy stream, the host) is not
-    captured into a graph: replaying the graph must still produce all of C."""
+    captured into a graph: replaying the graph must still produce all of C. Operands whose
+    reference is kept are checked on their inputs, and for writes outside C as a call is."""
     import cupy
 
-    ops.fill("normal", rng)
+    if not ops.kept:
+        ops.fill("normal", rng)
     ops.poison(rng)
     stream.synchronize()
     try:
@@ -568,6 +677,8 @@ def _graph_check(ops: Operands, kernel: Kernel, stream, rng) -> None:
     ops.poison(rng)
     graph.launch(stream)
     stream.synchronize()
+    if ops.kept and not ops.intact():
+        raise Rejected("cheat", "replayed from a CUDA graph it wrote outside C or into A or B")
     err, tol, why = compare(ops.c, ops.reference(), ops.num)
     if why:
         raise Rejected("cheat", f"replayed from a CUDA graph its output is wrong ({why}): work escapes the given stream")

@@ -39,8 +39,9 @@ SOAK_US, SOAK_S = 100.0, 1.5
 # graph process, each round one replay of every contestant's graph (its calls rotating
 # through the input sets, every output checked at the finish); no soak, no CUPTI process.
 # Calls of LONG_SCREEN_US or more (a replay of three of them: 3 ms and more of device time)
-# get one round: the three were a fifth of a kernel's screening calls, and where calls take
-# milliseconds a 5 s budget screened 30-53 kernels, not 64 (H200, --time-budget 5).
+# get one round, and their graphs are uploaded, not replayed first (measure.Session): each
+# three calls were a fifth of a kernel's screening calls, and where calls take milliseconds
+# a 5 s budget screened 30-53 kernels, not 64 (H200, --time-budget 5).
 SCREEN_ROUNDS, LONG_SCREEN_US = 3, 1000.0
 
 

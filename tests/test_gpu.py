@@ -330,6 +330,66 @@ def test_the_screening_checks_reject_every_broken_kernel_at_a_fraction_of_the_ca
     assert calls[True] * 3 <= calls[False], calls
 
 
+def test_a_screening_pass_shares_its_checks_inputs_and_no_kernel_leaves_the_next_a_wrong_one(compiler):
+    """verify's `screen` on one ScreenInputs for every kernel, as a worker's screening pass
+    runs them (cudal2/jobs.py: the sets rebuilt where not intact): every broken fixture gets a
+    verdict it gets on inputs of its own (the cached one still caught by its second call on the
+    same pointers), and the honest kernel is accepted right after each of them; a byte changed
+    in a kept reference leaves the sets not intact; and a template kernel's screening makes its
+    own three calls alone, faster than on inputs of its own."""
+    import time
+
+    import cupy
+
+    from cudal2.verify import ScreenInputs, forbidden_imports, verify
+
+    problem, rng = Problem(512, 512, 512), random.Random(7)
+    stream = cupy.cuda.Stream(non_blocking=True)
+    builds = dict(zip(VERDICTS, compiler.compile_all([fixture_source(v) for v in VERDICTS])))
+    report = {}
+    with stream:
+        baseline = cublas_gemm(problem, stream)
+        inputs = ScreenInputs(problem, 0, baseline, rng)
+        honest = Kernel(str(builds["honest"].library))
+        for variant, allowed in VERDICTS.items():
+            assert builds[variant].status == "ok", builds[variant].log[-2000:]
+            if forbidden_imports(builds[variant].imports):  # judged before any check runs (pipeline)
+                continue
+            verdict = verify(Kernel(str(builds[variant].library)), problem, stream, baseline, rng, screen=True,
+                             inputs=inputs)
+            report[variant] = (verdict.status, verdict.reason)
+            assert verdict.status in allowed, report
+            if not inputs.intact():
+                inputs = ScreenInputs(problem, 0, baseline, rng)
+            after = verify(honest, problem, stream, baseline, rng, screen=True, inputs=inputs)
+            assert after.status == "ok", (variant, after.reason)
+        assert "unwritten" in report["cached"][1], report
+
+        inputs.ops.load(1)
+        byte = cupy.ndarray((1,), cupy.uint8, memptr=inputs.ops.reference().data + 4097)
+        byte[...] = ~byte
+        assert not inputs.intact()
+
+        template = compiler.compile(render(template_candidate("sm80_mma", {}, gpu_cc()), problem))
+        assert template.status == "ok", template.log[-2000:]
+        big = Problem(4096, 4096, 4096)
+        began = time.perf_counter()
+        shared = ScreenInputs(big, 0, cublas_gemm(big, stream), rng)
+        build_s = time.perf_counter() - began
+        calls, seconds = {}, {}
+        for name, given in (("own", None), ("shared", shared), ("shared again", shared)):
+            kernel = CountingKernel(str(template.library))
+            began = time.perf_counter()
+            verdict = verify(kernel, big, stream, cublas_gemm(big, stream), rng, screen=True, inputs=given)
+            seconds[name] = time.perf_counter() - began
+            assert verdict.status == "ok", verdict.reason
+            calls[name] = kernel.calls
+    print(f"screening checks at 4096^3 (sm80_mma default): {seconds} s, {calls} calls; the shared inputs built "
+          f"in {build_s:.3f} s")
+    assert calls == {"own": 3, "shared": 3, "shared again": 3}
+    assert seconds["shared again"] < seconds["own"]
+
+
 def test_operands_tell_a_write_outside_c_from_a_change_of_the_inputs_to_the_byte():
     """The checks of a call read every byte but C's and the workspace's: poisoning those two
     changes nothing watched; one byte just before or after C (whose size is no multiple of 4),
