@@ -376,18 +376,19 @@ def test_a_screening_pass_shares_its_checks_inputs_and_no_kernel_leaves_the_next
         began = time.perf_counter()
         shared = ScreenInputs(big, 0, cublas_gemm(big, stream), rng)
         build_s = time.perf_counter() - began
-        calls, seconds = {}, {}
-        for name, given in (("own", None), ("shared", shared), ("shared again", shared)):
-            kernel = CountingKernel(str(template.library))
-            began = time.perf_counter()
-            verdict = verify(kernel, big, stream, cublas_gemm(big, stream), rng, screen=True, inputs=given)
-            seconds[name] = time.perf_counter() - began
-            assert verdict.status == "ok", verdict.reason
-            calls[name] = kernel.calls
-    print(f"screening checks at 4096^3 (sm80_mma default): {seconds} s, {calls} calls; the shared inputs built "
-          f"in {build_s:.3f} s")
-    assert calls == {"own": 3, "shared": 3, "shared again": 3}
-    assert seconds["shared again"] < seconds["own"]
+        calls, seconds = {}, {"own": [], "shared": []}
+        for _ in range(3):
+            for name, given in (("own", None), ("shared", shared)):
+                kernel = CountingKernel(str(template.library))
+                began = time.perf_counter()
+                verdict = verify(kernel, big, stream, cublas_gemm(big, stream), rng, screen=True, inputs=given)
+                seconds[name].append(time.perf_counter() - began)
+                assert verdict.status == "ok", verdict.reason
+                calls[name] = kernel.calls
+    print(f"screening checks at 4096^3 (sm80_mma default), three times each: {seconds} s, {calls} calls; the "
+          f"shared inputs built in {build_s:.3f} s")
+    assert calls == {"own": 3, "shared": 3}
+    assert min(seconds["shared"]) < min(seconds["own"])
 
 
 def test_operands_tell_a_write_outside_c_from_a_change_of_the_inputs_to_the_byte():
