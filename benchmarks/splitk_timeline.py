@@ -84,6 +84,10 @@ def build(problem, params: dict, cache_dir=None):
     from cudal2.compile import Compiler
     from cudal2.render import render
 
+    import os
+    from pathlib import Path
+
+    cache_dir = cache_dir or (Path(os.environ["CUDAL2_CACHE_DIR"]) if os.environ.get("CUDAL2_CACHE_DIR") else None)
     built = Compiler("sm_90a", cache_dir=cache_dir).compile(
         with_probes(render(Candidate.from_template("sm90_splitk", params), problem)))
     if built.status != "ok":
