@@ -36,6 +36,9 @@ from .worker import LONG_SCREEN_US, SOAK_S, SOAK_US
 # still waits this long for its batch's proposal, so that the batch's built kernels are
 # measured and the run does not end empty; the batch's compiles are stopped.
 PROPOSAL_WAIT_S = 60.0
+# Until a kernel is verified, how long a run waits for its compiling batch whole (its builds
+# cached, say) before it measures a build that has finished, alone, ahead of the batch.
+EARLY_WAIT_S = 0.5
 # The screening pass's halving rate (successive halving's eta) in a default run: a batch
 # proposes `batch` x SCREEN candidates, screens them all and confirms the best 1 / SCREEN
 # of them by the full protocol.
@@ -57,12 +60,12 @@ VERIFY_FIXED_S, VERIFY_CALLS, VERIFY_OUTPUT_S = 0.03, 80, 1.6e-10
 # 0.2-0.4 s, shared by fewer. (Priced before as 0.4 of the full verification, it came to
 # 1.3-1.7x these.)
 SCREEN_FIXED_S, SCREEN_CALLS, SCREEN_OUTPUT_S = 0.016, 31, 2.8e-11
-# Since fitted, counted (not yet measured again): a session's opening times cuBLAS alone for
-# its graphs' length (it timed three calls of every contestant); screening sessions of calls
-# of LONG_SCREEN_US or more time each graph (three calls) once, not three times, and upload
-# it where they replayed it first (three calls more); and the kernels of a screening pass
-# share their checks' inputs (verify.ScreenInputs: three reference products and two library
-# calls a kernel, computed once a pass).
+# Since fitted, counted (their sum measured once since: docs/method.md): a session's opening
+# times cuBLAS alone for its graphs' length (it timed three calls of every contestant);
+# screening sessions of calls of LONG_SCREEN_US or more time each graph (three calls) once, not
+# three times, and upload it where they replayed it first (three calls more); and the kernels
+# of a screening pass share their checks' inputs (verify.ScreenInputs: three reference
+# products and two library calls a kernel, computed once a pass).
 OPENING_CALLS, LONG_SCREEN_CALLS, SHARED_CHECK_CALLS = 3, 9, 5
 
 
@@ -531,8 +534,8 @@ class ShapeRun:
         first verified kernel when the quickest compile ends, not the slowest."""
         while not self.verified:
             left = self._time_left()
-            try:  # the batch, if it comes within the half second (its builds cached, say)
-                return pending.result(timeout=0.5 if left is None else min(0.5, left))
+            try:  # the batch, if it comes within EARLY_WAIT_S (its builds cached, say)
+                return pending.result(timeout=EARLY_WAIT_S if left is None else min(EARLY_WAIT_S, left))
             except FutureTimeout:
                 if self._over_time():
                     raise
