@@ -9,7 +9,8 @@ grid CUDA-L2 tunes), and what a tuning run over them did.
 
 `draw` leaves out every shape measured before: the project's test shape sets, the shipped
 measurements and, with --results (repeatable), those leaderboards' problems; the same seed draws the same
-shapes; --regime keeps one regime's shapes (few-tile long-K, short-K: a regime's fresh set).
+shapes; --regime draws one regime's shapes (few-tile long-K, short-K: a regime's fresh set) from
+the grid's values and the midpoints between them.
 `report` prints, per shape and over the set, the candidates screened and measured (over the
 set also by the shape's fastest library call, which a kernel's verification costs a multiple
 of), the time to the first verified kernel, the baselines' time, the wall time (and what 1,000
@@ -39,6 +40,10 @@ from cudal2.shapes import read_shapes  # noqa: E402
 from cudal2.tables import speedup_summary  # noqa: E402
 
 GRID = (64, 128, 256, 512, 1024, 2048, 4096, 8192, 12288, 16384)
+# A regime's draw takes the grid's values and the midpoints of neighbouring ones (96, 192, ...,
+# 1536, 3072, ..., 14336): the grid holds 108 short-K shapes (K <= 256, M and N >= 1024), of
+# which the shipped measurements left 29 fresh (526 of these values), and 30 are asked for.
+REGIME_VALUES = tuple(sorted(set(GRID) | {(a + b) // 2 for a, b in zip(GRID, GRID[1:])}))
 
 
 def measured_before(results: Path | list[Path] | None) -> set[tuple[int, int, int, str, str]]:
@@ -55,12 +60,14 @@ def measured_before(results: Path | list[Path] | None) -> set[tuple[int, int, in
 
 
 def draw(count: int, seed: int, results: Path | list[Path] | None, within: str | None = None) -> list[Problem]:
-    """`count` grid shapes never measured before (of one regime, `within`), drawn with `seed`."""
+    """`count` grid shapes never measured before, drawn with `seed`; of one regime, `within`,
+    shapes of REGIME_VALUES."""
     seen = measured_before(results)
-    fresh = [(m, n, k) for m in GRID for n in GRID for k in GRID if (m, n, k, "fp16", "nn") not in seen
+    values = GRID if within is None else REGIME_VALUES
+    fresh = [(m, n, k) for m in values for n in values for k in values if (m, n, k, "fp16", "nn") not in seen
              and (within is None or regime(Problem(m, n, k)) == within)]
     if count > len(fresh):
-        raise SystemExit(f"only {len(fresh)} grid shapes{f' of the {within} regime' if within else ''} "
+        raise SystemExit(f"only {len(fresh)} {f'{within} shapes' if within else 'grid shapes'} "
                          f"were never measured; asked for {count}")
     return [Problem(m, n, k) for m, n, k in random.Random(seed).sample(fresh, count)]
 

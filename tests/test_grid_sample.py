@@ -28,6 +28,8 @@ def test_a_draw_is_fresh_grid_shapes_the_same_for_the_same_seed():
         drawn = grid_sample.draw(30, seed=7, results=None, within=name)
         assert len(drawn) == 30 and {grid_sample.regime(p) for p in drawn} == {name}
         assert not {(p.m, p.n, p.k, p.dtype, p.layout) for p in drawn} & seen
+        assert all(v in grid_sample.REGIME_VALUES for p in drawn for v in (p.m, p.n, p.k))
+        assert grid_sample.draw(30, seed=7, results=None, within=name) == drawn
 
 
 def test_a_draw_leaves_out_the_problems_of_every_results_directory_given(tmp_path):
