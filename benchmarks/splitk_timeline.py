@@ -82,13 +82,10 @@ def build(problem, params: dict, cache_dir=None):
     """The probed library of `params` for `problem`'s dtype and layout (cudal2's compiler and cache)."""
     from cudal2.candidate import Candidate
     from cudal2.compile import Compiler
+    from cudal2.config import load_settings
     from cudal2.render import render
 
-    import os
-    from pathlib import Path
-
-    cache_dir = cache_dir or (Path(os.environ["CUDAL2_CACHE_DIR"]) if os.environ.get("CUDAL2_CACHE_DIR") else None)
-    built = Compiler("sm_90a", cache_dir=cache_dir).compile(
+    built = Compiler("sm_90a", cache_dir=cache_dir or load_settings().cache_dir).compile(
         with_probes(render(Candidate.from_template("sm90_splitk", params), problem)))
     if built.status != "ok":
         raise SystemExit(f"the probed source does not compile:\n{built.log[-3000:]}")
