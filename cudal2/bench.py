@@ -118,13 +118,15 @@ def graph_rounds(
     budget_s: float,
     rng: random.Random,
     min_rounds: int = 5,
+    rest: float = 0.0,
 ) -> dict[str, list[float]]:
     """Device microseconds per call, the graph method.
 
     `replay(name)` replays that contestant's graph (`calls` calls, each behind a neighbour
     kernel) and returns its device time; `replay(None)` replays the graph of the neighbours
     alone. Each round replays the neighbours' graph, then every contestant's in a shuffled
-    order; a sample is (contestant's graph - neighbours' graph) / calls.
+    order; a sample is (contestant's graph - neighbours' graph) / calls. `rest`: after each
+    contestant's replay the GPU idles that many times its device time.
     """
     samples: dict[str, list[float]] = {name: [] for name in names}
     deadline = time.perf_counter() + budget_s
@@ -132,7 +134,10 @@ def graph_rounds(
     while rounds < min_rounds or time.perf_counter() < deadline:
         alone = replay(None)
         for name in rng.sample(names, len(names)):
-            samples[name].append((replay(name) - alone) / calls)
+            took = replay(name)
+            samples[name].append((took - alone) / calls)
+            if rest > 0:
+                time.sleep(rest * took * 1e-6)
         rounds += 1
     return samples
 

@@ -22,7 +22,7 @@ from .bench import INPUT_SETS, graph_rounds, kernel_rounds, summarize
 from .problem import Problem
 from .protocol import OFFLINE_METHODS
 from .verify import UNIT_ROUNDOFF, Numerics, Rejected, compare, poison_output
-from .worker import LONG_SCREEN_US
+from .worker import LONG_SCREEN_US, SOAK_US
 
 # The graph method's neighbour of each call: an in-place elementwise pass (sin) over 512 KB,
 # as an activation between two GEMMs of a model is. Measured on an H200 with the earlier
@@ -165,8 +165,21 @@ def graph_calls(names, run, sets: InputSets, stream, reference: str | None = Non
         end.synchronize()
         times.append(cupy.cuda.get_elapsed_time(start, end) * 1e3 / len(sets.a))
     typical = times[names.index(reference)] if reference in names else sorted(times)[len(times) // 2]
-    per_call = typical + 2.0  # the neighbour takes about 2 us
-    return INPUT_SETS * max(1, min(20, round(target_us / per_call / INPUT_SETS))), typical
+    return calls_per_graph(typical, target_us), typical
+
+
+def graph_rest(settings: dict[str, Any], typical_us: float) -> float:
+    """The GPU's idle time after each graph replay of a session, as a share of its device
+    time: a screening session's `screen_rest` (worker.SCREEN_REST) where calls take SOAK_US
+    or more (back to back, they run at the power cap), else none."""
+    return settings.get("screen_rest", 0.0) if settings.get("screen") and typical_us >= SOAK_US else 0.0
+
+
+def calls_per_graph(call_us: float, target_us: float = GRAPH_TARGET_US) -> int:
+    """Calls in a graph of calls of `call_us` each (a multiple of the sets): one replay
+    takes about `target_us`."""
+    per_call = call_us + 2.0  # the neighbour takes about 2 us
+    return INPUT_SETS * max(1, min(20, round(target_us / per_call / INPUT_SETS)))
 
 
 def graphs(names, run, sets: InputSets, stream, calls: int, neighbour: Callable[[], None] | None = None,
@@ -234,6 +247,7 @@ class Session:
         self.methods = [m for m in methods if (offline and m in OFFLINE_METHODS) or (server and m == "server")]
         self.samples: dict[str, dict[str, list[float]]] = {m: {n: [] for n in self.names} for m in self.methods}
         self.rounds = 0
+        self.rest = 0.0  # idle time after each graph replay, as a share of its device time
         self.typical_us: float | None = None  # cuBLAS's time per call, roughly (the graph method's set-up)
         seed = rng.getrandbits(32)
         self.rng = {m: random.Random(seed + i) for i, m in enumerate(("kernel", "graph", "server"))}
@@ -252,6 +266,7 @@ class Session:
                 # a screening session of long calls times one round: its graphs are uploaded,
                 # not replayed first (three calls of a millisecond or more each)
                 long_screen = bool(settings.get("screen")) and self.typical_us >= LONG_SCREEN_US
+                self.rest = graph_rest(settings, self.typical_us)
                 self.replay = graphs(self.names, run, self.sets, stream, self.calls, warm=not long_screen)
         if "server" in self.methods:
             qps, gaps = settings.get("qps", 200.0), random.Random(seed + 3)
@@ -293,7 +308,7 @@ class Session:
             for method in self.methods:
                 if method == "graph":
                     found = graph_rounds(self.names, replay=self.replay, calls=self.calls, budget_s=0.0,
-                                         rng=self.rng[method], min_rounds=1)
+                                         rng=self.rng[method], min_rounds=1, rest=self.rest)
                 else:
                     found = kernel_rounds(self.names, call=self.call, refresh=self.refresh, check=self.check,
                                           timer=self.timer, budget_s=0.0, rng=self.rng[method], min_rounds=1,

@@ -21,6 +21,7 @@ from typing import Any
 from .candidate import Candidate
 from .errors import Cudal2Error
 from .leaderboard import select, source_hash
+from .measure import calls_per_graph
 from .compile import Build, Compiler
 from .pipeline import Built, Context, build_all, invalid_row, measure_baselines, measure_rows, session_size
 from .problem import Problem
@@ -28,7 +29,7 @@ from .propose import Proposer, from_proposer
 from .protocol import BASELINES, PROTOCOL, SCREEN_PROTOCOL, SCREENED, best_row
 from .render import get_template, render
 from .runtime import export_best
-from .worker import LONG_SCREEN_US, SOAK_S, SOAK_US
+from .worker import LONG_SCREEN_US, SCREEN_REST, SCREEN_ROUNDS, SOAK_S, SOAK_US
 
 
 # When the time budget ends before any kernel is verified (the baselines' session alone can
@@ -77,7 +78,10 @@ def verification_s(call_us: float | None, outputs: int = 0, screen: bool = False
     us = call_us or 0.0
     if screen:
         calls = SCREEN_CALLS - OPENING_CALLS - SHARED_CHECK_CALLS - (LONG_SCREEN_CALLS if us >= LONG_SCREEN_US else 0)
-        return SCREEN_FIXED_S + us * 1e-6 * calls + outputs * SCREEN_OUTPUT_S
+        # and the GPU's rest after its rounds' replays (worker.SCREEN_REST), where calls are long
+        rounds = 1 if us >= LONG_SCREEN_US else SCREEN_ROUNDS
+        rest = SCREEN_REST * rounds * calls_per_graph(us) * us * 1e-6 if us >= SOAK_US else 0.0
+        return SCREEN_FIXED_S + us * 1e-6 * calls + outputs * SCREEN_OUTPUT_S + rest
     return VERIFY_FIXED_S + us * 1e-6 * (VERIFY_CALLS - OPENING_CALLS) + outputs * VERIFY_OUTPUT_S
 
 

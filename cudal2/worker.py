@@ -37,12 +37,25 @@ INTERLEAVE_US = 20.0
 SOAK_US, SOAK_S = 100.0, 1.5
 # Rounds of a screening session (job settings' `screen`): the graph method alone, in the
 # graph process, each round one replay of every contestant's graph (its calls rotating
-# through the input sets, every output checked at the finish); no soak, no CUPTI process.
+# through the input sets, every output checked at the finish); no soak (SCREEN_REST below), no
+# CUPTI process.
 # Calls of LONG_SCREEN_US or more (a replay of three of them: 3 ms and more of device time)
 # get one round, and their graphs are uploaded, not replayed first (measure.Session): each
 # three calls were a fifth of a kernel's screening calls, and where calls take milliseconds
 # a 5 s budget screened 30-53 kernels, not 64 (H200, --time-budget 5).
 SCREEN_ROUNDS, LONG_SCREEN_US = 3, 1000.0
+# Where calls take SOAK_US or more, a screening session's GPU idles SCREEN_REST times each
+# replay's device time after it (the job settings' `screen_rest`), so that it runs at the
+# clock the protocol's sessions time at, not at its power cap. Back to back, the H200 ran
+# 12288x2048x12288 at 761 us a call for the first 50 ms after an idle GPU, then at 900-920
+# (torch.mm, SM clock 1980 MHz falling to about 1450, power-capped); the protocol's session,
+# its two processes taking turns, timed it at 796, and a screening session, replaying its
+# 65 contestants back to back, at 922 (16384x2048x4096: 348, 405-420, 361 and 412 us). So
+# the screen ranked kernels by their speed at the power cap, where ping-pong 128x128 tiles
+# lead, and the protocol ranked cooperative 128x256 ones first (0.964 against 0.989 of the
+# library confirmed; a soak before the screening rounds made every screened time 1.11-1.17x
+# the confirmed one and the order no better).
+SCREEN_REST = 1.0
 
 
 class Worker:
@@ -171,7 +184,7 @@ class Worker:
         kernel is verified by the screening checks (verify's `screen`) and the session is a
         screening one (_screen)."""
         if screen:
-            job = {**job, "settings": {**job["settings"], "screen": True}}
+            job = {**job, "settings": {**job["settings"], "screen": True, "screen_rest": SCREEN_REST}}
         results = []
         for library in libraries:
             results.append(self._graph.request({**job, "op": "kernel", "library": library}, timeout))

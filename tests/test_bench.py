@@ -121,6 +121,46 @@ def test_graph_samples_are_the_calls_share_beyond_the_neighbours():
     assert samples == {"a": [7.5] * 5, "b": [9.0] * 5}
 
 
+def test_a_rested_round_idles_the_gpu_after_each_contestants_replay_for_its_share_of_it(monkeypatch):
+    """A screening session of long calls (worker.SCREEN_REST): back to back, the H200 runs
+    them at its power cap, not at the clock the protocol's sessions time them at."""
+    import importlib
+
+    slept = []
+    monkeypatch.setattr(importlib.import_module("cudal2.bench").time, "sleep", slept.append)
+    replays = {None: 500.0, "a": 2500.0, "b": 3500.0}
+    samples = graph_rounds(["a", "b"], replay=replays.__getitem__, calls=3, budget_s=0.0, rng=random.Random(0),
+                           min_rounds=2, rest=1.5)
+    assert samples == {"a": [2000 / 3] * 2, "b": [1000.0] * 2}
+    # after each contestant's replay, none after the neighbours'
+    assert sorted(slept) == pytest.approx(sorted([1.5 * 2500e-6, 1.5 * 3500e-6] * 2))
+    slept.clear()
+    graph_rounds(["a", "b"], replay=replays.__getitem__, calls=3, budget_s=0.0, rng=random.Random(0))
+    assert slept == []  # the protocol's rounds: no rest
+
+
+def test_only_a_screening_session_of_long_calls_rests_the_gpu():
+    from cudal2.measure import graph_rest
+    from cudal2.worker import SCREEN_REST, SOAK_US
+
+    screening = {"screen": True, "screen_rest": SCREEN_REST}
+    assert graph_rest(screening, SOAK_US) == graph_rest(screening, 40 * SOAK_US) == SCREEN_REST > 0
+    assert graph_rest(screening, SOAK_US / 2) == 0.0  # short calls: no power cap to keep off
+    assert graph_rest({"screen_rest": SCREEN_REST}, 4 * SOAK_US) == 0.0  # the protocol's session
+    assert graph_rest({"screen": True}, 4 * SOAK_US) == 0.0
+
+
+def test_a_screening_job_carries_its_rest():
+    from cudal2.worker import SCREEN_REST
+
+    ok = {"status": "ok", "error": "", "max_error": 1e-4, "tolerance": 0.01}
+    session = (session_answers({"status": "ok", "typical_us": 400.0}, {"graph": timed("kernel:0")}), None)
+    worker, log, _ = measuring_worker({"a.so": ok}, [session])
+    worker.measure(job(), ["a.so"], 10, screen=True)
+    [opening] = [j for _, op, j in log if op == "kernels"]
+    assert opening["settings"]["screen"] is True and opening["settings"]["screen_rest"] == SCREEN_REST
+
+
 def test_cupti_records_are_summed_per_call_window_and_the_bench_own_work_ignored():
     windows = [(100, 200), (300, 400)]
     records = [(50, 90),            # a refill before the first call: not counted
