@@ -750,6 +750,37 @@ def test_check_of_a_library_exits_3_on_a_deliberately_slow_kernel(tmp_path, cach
                                "--results", str(results)]).exit_code == 0
 
 
+def test_a_screening_session_of_long_calls_times_the_library_as_the_protocol_does(context):
+    """Back to back, calls of 100 us and more run at the GPU's power cap, a lower clock than
+    the protocol's sessions time them at (on the H200, cuBLAS at 16384x2048x4096 screened at
+    412 us among 64 kernels where its baselines' session timed 361). A screening session
+    rests the GPU after each replay (worker.SCREEN_REST), so its own library call reads as
+    the protocol's does (357 against 361 there), and its kernels rank as they confirm."""
+    from cudal2.pipeline import build_all, measure_rows
+    from cudal2.render import template_grid
+    from cudal2.worker import SOAK_US
+
+    problem = Problem(16384, 2048, 4096)
+    ctx = context(problem)
+    # 24 distinct binaries: enough replays back to back (about 0.3 s) to reach the cap unrested
+    kernels = template_grid("sm80_mma", {"group_m": ["1", "4", "8", "16"], "stages": ["3", "4", "5"],
+                                         "block_n": ["64", "128"]}, gpu_cc())
+    assert len(kernels) >= 16
+    try:
+        baselines = {row["kernel"]: row for row in measure_baselines(ctx)}
+        built = [b for b in build_all(ctx, kernels) if b.build.status == "ok"]
+        screened = measure_rows(ctx, built, screen=True)
+    finally:
+        ctx.worker.close()
+    protocol_us = baselines["cuBLAS"]["graph_us"]
+    assert protocol_us >= SOAK_US
+    rows = [row for row in screened if row["status"] == "screened"]
+    assert len(rows) >= 16, [(row["kernel"], row["status"], row.get("error")) for row in screened]
+    screen_us = sorted(row["cublas_graph_us"] for row in rows)[len(rows) // 2]
+    print(f"cuBLAS {problem}: screened {screen_us:.1f} us, the baselines' session {protocol_us:.1f} us")
+    assert screen_us == pytest.approx(protocol_us, rel=0.06)
+
+
 def test_screening_checks_every_kernel_and_ranks_as_the_protocol_does(context):
     """The optimize loop's screening pass on the GPU (Worker._screen): the screening checks
     first (verify's `screen`: the wrong and the stray-writing kernels are caught as in the
