@@ -86,12 +86,14 @@ def verification_s(call_us: float | None, outputs: int = 0, screen: bool = False
 
 
 # A shape's first rung (its first screening pass: the first batch, batch x SCREEN candidates)
-# is screened whole where that is expected to take at most this share of the shape's time
-# budget, else as many as that share holds; later rungs screen what the budget leaves beside
-# the confirmation. Measured at --time-budget 5 (100 fresh grid shapes, H200), where the
-# confirmation's reserve (its timing, verification and, for calls of 100 us or more, soak:
-# about 3 s) came first, shapes of 100-1000 us calls screened 9 kernels in the median and
-# those above 1 ms one; 64 take 1.4-4.1 s there (above).
+# takes as many of its candidates as this share of the budget's time left holds, whatever the
+# confirmation reserves (which then ends past the budget); later rungs screen what the budget
+# leaves beside the confirmation. Measured at --time-budget 5 (100 fresh grid shapes, H200),
+# where the confirmation's reserve (its timing, verification and, for calls of 100 us or more,
+# soak: about 3 s) came first, shapes of 100-1000 us calls screened 9 kernels in the median and
+# those above 1 ms one. Reckoned from the whole budget, not the time the baselines left, and
+# once, not after each session: shapes whose screening sessions memory splits (outputs of 10^8
+# elements and more) and whose calls rest the GPU ran 7-11 s (seed 20261309).
 FIRST_RUNG_SHARE = 1.0
 
 
@@ -585,17 +587,22 @@ class ShapeRun:
     def _screen(self, items: list[Built], binaries: dict[str, str | None], rows: list[dict[str, Any]]) -> list[Built]:
         """Successive halving's first rung (Jamieson and Talwalkar, 2016): every kernel of
         the batch screened (the screening checks, then timed by the graph method alone for a
-        few rounds, Worker._screen), in sessions that fit the time left (the shape's first
-        rung: at least _first_rung of it); its rows join `rows` (status SCREENED where it
-        passed: never ranked). Returns the second rung: the best 1 / budget.screen of the
-        batch by the screened ratio, best first, for the full protocol."""
+        few rounds, Worker._screen), in sessions that fit the time left beside the
+        confirmation (the shape's first rung: at least _first_rung of them, reckoned again
+        after each session); its rows join `rows` (status SCREENED where it passed: never
+        ranked). Returns the second rung: the best 1 / budget.screen of the batch by the
+        screened ratio, best first, for the full protocol."""
         passed = []
-        owed = self._first_rung(items)
-        for session in self._sessions(items, screen=True, reserve=self.confirm_s, least=owed):
+        first = not self.out.screened  # the shape's first screening pass
+        batch, items = len(items), list(items)
+        while items:
+            owed = self._first_rung(len(items)) if first else 0
             left = self._time_left(self.confirm_s)  # what the confirmation leaves of the budget
             if left is not None and left < self.per_screen_s and owed <= 0 and (self.verified or passed):
                 break
-            owed -= len(session)
+            size = max(next_session(len(items), session_size(self.ctx), left, self.per_screen_s),
+                       min(owed, session_size(self.ctx)))
+            session, items = items[:size], items[size:]
             self.seen_binaries.update(b for item in session if (b := binaries[item.source]) is not None)
             for item, row in zip(session, self._measure_session(session, screen=True), strict=True):
                 rows.append(row)
@@ -603,16 +610,18 @@ class ShapeRun:
                 if row["status"] == SCREENED and (ratio := row.get("speedup_graph")) is not None and ratio == ratio:
                     passed.append((ratio, item))
         passed.sort(key=lambda pair: -pair[0])
-        return [item for _, item in passed[:math.ceil(len(items) / self.budget.screen)]]
+        return [item for _, item in passed[:math.ceil(batch / self.budget.screen)]]
 
-    def _first_rung(self, items: list[Built]) -> int:
-        """How many of `items` the screening takes whatever the confirmation reserves: under a
-        time budget, in the shape's first screening pass, all of them where FIRST_RUNG_SHARE
-        of the budget holds them at the expected seconds a kernel, else as many as it holds;
-        otherwise none."""
-        if self.out.screened or self.budget.time_s is None or self.per_screen_s <= 0:
+    def _first_rung(self, count: int) -> int:
+        """How many of `count` kernels the next session of a shape's first screening pass
+        takes whatever the confirmation reserves: under a time budget, as many as the
+        budget's time left holds (FIRST_RUNG_SHARE of it) at the seconds a screened kernel
+        is expected to take (measured by the latest screening session, its own part
+        included, once one ran); otherwise none."""
+        left = self._time_left()
+        if left is None or self.per_screen_s <= 0:
             return 0
-        return min(len(items), int(self.budget.time_s * FIRST_RUNG_SHARE / self.per_screen_s))
+        return min(count, int(left * FIRST_RUNG_SHARE / self.per_screen_s))
 
     def _distinct_binaries(self, built: list[Built]) -> tuple[list[Built], dict[str, str | None]]:
         """The builds whose binary is not measured already (identical binaries are
@@ -627,17 +636,12 @@ class ShapeRun:
             binaries[item.source] = binary
         return fresh, binaries
 
-    def _sessions(self, items: list[Built], screen: bool = False, reserve: float = 0.0, least: int = 0):
-        """The batch's kernels, session by session (next_session; `screen`: screening
-        sessions, at the seconds a kernel took in the latest of those), in the time left but
-        `reserve` seconds; the first `least` of them whatever the time left."""
+    def _sessions(self, items: list[Built]):
+        """The batch's kernels for the full protocol, session by session (next_session), in
+        the time left."""
         items = list(items)
         while items:
-            per_kernel_s = self.per_screen_s if screen else self.per_kernel_s
-            most = session_size(self.ctx)
-            size = next_session(len(items), most, self._time_left(reserve), per_kernel_s)
-            size = max(size, min(least, len(items), most))
-            least -= size
+            size = next_session(len(items), session_size(self.ctx), self._time_left(), self.per_kernel_s)
             yield items[:size]
             del items[:size]
 

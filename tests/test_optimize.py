@@ -312,6 +312,44 @@ def test_a_shapes_first_rung_is_screened_whole_where_its_time_budget_holds_it(tm
     assert out.screened == sessions[0]
 
 
+class SlowSessionWorker(PacedWorker):
+    """A PacedWorker whose baselines' session takes `baselines_s` and whose screening
+    sessions cost `session_s` each beside their kernels' `screen_s` (setting up the
+    contestants' outputs: a large problem's)."""
+
+    def __init__(self, clock: list[float], baselines_s: float, session_s: float, **kwargs):
+        super().__init__(clock, **kwargs)
+        self.baselines_s, self.session_s = baselines_s, session_s
+
+    def request(self, job, timeout):
+        if job["op"] == "baselines":
+            self.clock[0] += self.baselines_s
+        return super().request(job, timeout)
+
+    def measure(self, job, libraries, timeout, screen=False):
+        self.clock[0] += self.session_s if screen else 0.0
+        return super().measure(job, libraries, timeout, screen)
+
+
+def test_a_first_rung_screens_what_the_baselines_left_of_the_budget_at_the_measured_pace(tmp_path, compiler,
+                                                                                        monkeypatch):
+    """Shapes whose outputs hold 10^8 elements and more ran 7-11 s at --time-budget 5 (H200,
+    seed 20261309): their first rung was reckoned from the whole budget at the expected 20-90 ms
+    a kernel, once, while the baselines had spent 1-2 s of it and memory split the rung into
+    sessions that cost their own part each. Here the baselines take 1.4 s of a 3 s budget and
+    memory holds four kernels a session: the first session (four at 0.2 s and 0.4 s of its
+    own) leaves 0.4 s, which holds one kernel at the measured 0.3 s a kernel (it takes 0.6).
+    The rung screens five of its 16, the best is confirmed (0.4 s), and the shape ends within
+    a screening session and a confirmation of its budget (reckoned once from the budget at the
+    expected pace, 3 s / 0.09 s: all 16, in four sessions, 6.6 s)."""
+    monkeypatch.setattr(sys.modules["cudal2.optimize"], "session_size", lambda ctx: 4)
+    worker = SlowSessionWorker([0.0], baselines_s=1.4, session_s=0.4, screen_s=0.2, call_us=5000.0)
+    out = paced_run(tmp_path, compiler, monkeypatch, worker, 3.0, batch=4)
+    assert worker.sessions == [4, 1, 1] and worker.screens == [True, True, False], worker.sessions
+    assert out.screened == 5 and out.best is not None
+    assert out.wall_s == pytest.approx(3.6), out.wall_s
+
+
 def test_a_batch_is_timed_in_one_session_and_a_time_budget_in_sessions_that_fit_it(tmp_path, compiler):
     from cudal2.optimize import next_session
 
