@@ -16,10 +16,11 @@
 #     "few-tile long-K") drawn with SEED (record it), none of RESULTS' problems nor of EXCLUDE's (a
 #     results directory: earlier samples' leaderboards merged),
 #     tuned by cudal2 optimize --shapes --time-budget BUDGET (5), then scripts/grid_sample.py's report
-#     (screened per shape, wall time, best speedups by regime); run `cudal2 prebuild` first
+#     (screened per shape, wall time, best speedups by regime); run `cudal2 prebuild` first; SHAPES: a set drawn before
 #   scripts/gpu_session.sh budget-compare -> SAMPLE (20) fresh grid shapes drawn with SEED, tuned twice from
 #     empty results directories, at --time-budget SHORT (5) and LONG (60) s, then grid_sample.py compare
-#     (the short budget's share of the long one's best); run `cudal2 prebuild` first. With SHORT_JSON
+#     (the short budget's share of the long one's best); run `cudal2 prebuild` first. SHAPES (a CSV
+#     drawn before, with its seed: `grid_sample.py draw`): its first SAMPLE shapes instead. With SHORT_JSON
 #     (a grid-sample run's --json at the short budget): its first SAMPLE shapes, tuned at LONG alone
 #   scripts/gpu_session.sh devset-optimize -> cudal2 optimize (search) on every row of DEVSET
 #     (DEVSET_ROWS='1,8p;19p' picks data rows as a sed -n script; OPTIMIZE="..." sets its options)
@@ -72,8 +73,10 @@ for stage in "$@"; do
           | oneline
       done 2>&1 | tee -a "$out/devset-optimize.jsonl" ;;
     grid-sample)
-      python3 scripts/grid_sample.py draw --count "${SAMPLE:-100}" --seed "${SEED:?SEED: a seed never used before}" \
-        --results "$results" ${EXCLUDE:+--results "$EXCLUDE"} ${REGIME:+--regime "$REGIME"} > "$out/grid-sample.csv"
+      if [ -n "${SHAPES:-}" ]; then cp "$SHAPES" "$out/grid-sample.csv"; else  # a set drawn before
+        python3 scripts/grid_sample.py draw --count "${SAMPLE:-100}" --seed "${SEED:?SEED: a seed never used before}" \
+          --results "$results" ${EXCLUDE:+--results "$EXCLUDE"} ${REGIME:+--regime "$REGIME"} > "$out/grid-sample.csv"
+      fi
       start=$(date +%s)
       cudal2 optimize --shapes "$out/grid-sample.csv" --time-budget "${BUDGET:-5}" --results "$results" --json \
         > "$out/grid-sample.json"
@@ -85,6 +88,8 @@ for stage in "$@"; do
         python3 scripts/grid_sample.py taken "$SHORT_JSON" --count "${SAMPLE:-20}" > "$out/budget-compare.csv"
         cp "$SHORT_JSON" "$out/budget-${SHORT:-5}.json"
         budgets=("${LONG:-60}")
+      elif [ -n "${SHAPES:-}" ]; then  # the first SAMPLE shapes of a drawn set (a grid-sample's, say)
+        head -n $(( ${SAMPLE:-20} + 1 )) "$SHAPES" > "$out/budget-compare.csv"
       else
         python3 scripts/grid_sample.py draw --count "${SAMPLE:-20}" --seed "${SEED:?SEED: a seed never used before}" \
           --results "$results" ${EXCLUDE:+--results "$EXCLUDE"} > "$out/budget-compare.csv"
