@@ -86,15 +86,16 @@ def verification_s(call_us: float | None, outputs: int = 0, screen: bool = False
 
 
 # A shape's first rung (its first screening pass: the first batch, batch x SCREEN candidates)
-# takes as many of its candidates as this share of the budget's time left holds, whatever the
-# confirmation reserves (which then ends past the budget); later rungs screen what the budget
-# leaves beside the confirmation. Measured at --time-budget 5 (100 fresh grid shapes, H200),
-# where the confirmation's reserve (its timing, verification and, for calls of 100 us or more,
-# soak: about 3 s) came first, shapes of 100-1000 us calls screened 9 kernels in the median and
-# those above 1 ms one. Reckoned from the whole budget, not the time the baselines left, and
-# once, not after each session: shapes whose screening sessions memory splits (outputs of 10^8
-# elements and more) and whose calls rest the GPU ran 7-11 s (seed 20261309).
-FIRST_RUNG_SHARE = 1.0
+# takes as many of its candidates as the budget's time left holds, and at least as many as
+# this share of the budget holds (from the rung's start), whatever the confirmation reserves
+# (which then ends past the budget); later rungs screen what the budget leaves beside the
+# confirmation. Measured at --time-budget 5 (H200): where the confirmation's reserve (about 3 s
+# for calls of 100 us or more) came first, shapes of 100-1000 us calls screened 9 kernels in the
+# median (seed 20261301); reckoned once from the whole budget, shapes whose screening sessions
+# memory split ran 7-11 s (seed 20261309); from the time left alone, a run's first shape, whose
+# baselines and first proposal took the budget (the library's start), screened 1 of 64 built
+# and kept a kernel at 0.296 of the library where 60 s found 1.059 (64x128x12288, seed 20261310).
+FIRST_RUNG_LEAST = 0.5
 
 
 # Seconds of timing per method (Settings.budget) under a time budget: a tenth of the budget,
@@ -594,9 +595,10 @@ class ShapeRun:
         screened ratio, best first, for the full protocol."""
         passed = []
         first = not self.out.screened  # the shape's first screening pass
+        least_until = time.monotonic() + FIRST_RUNG_LEAST * (self.budget.time_s or 0.0)
         batch, items = len(items), list(items)
         while items:
-            owed = self._first_rung(len(items)) if first else 0
+            owed = self._first_rung(len(items), least_until) if first else 0
             left = self._time_left(self.confirm_s)  # what the confirmation leaves of the budget
             if left is not None and left < self.per_screen_s and owed <= 0 and (self.verified or passed):
                 break
@@ -612,16 +614,18 @@ class ShapeRun:
         passed.sort(key=lambda pair: -pair[0])
         return [item for _, item in passed[:math.ceil(batch / self.budget.screen)]]
 
-    def _first_rung(self, count: int) -> int:
+    def _first_rung(self, count: int, least_until: float) -> int:
         """How many of `count` kernels the next session of a shape's first screening pass
         takes whatever the confirmation reserves: under a time budget, as many as the
-        budget's time left holds (FIRST_RUNG_SHARE of it) at the seconds a screened kernel
-        is expected to take (measured by the latest screening session, its own part
-        included, once one ran); otherwise none."""
+        budget's time left holds, or the time until `least_until` (the rung's start plus
+        FIRST_RUNG_LEAST of the budget) if longer, at the seconds a screened kernel is
+        expected to take (measured by the latest screening session, its own part included,
+        once one ran); otherwise none."""
         left = self._time_left()
         if left is None or self.per_screen_s <= 0:
             return 0
-        return min(count, int(left * FIRST_RUNG_SHARE / self.per_screen_s))
+        span = max(left, least_until - time.monotonic())
+        return min(count, int(span / self.per_screen_s))
 
     def _distinct_binaries(self, built: list[Built]) -> tuple[list[Built], dict[str, str | None]]:
         """The builds whose binary is not measured already (identical binaries are

@@ -350,6 +350,18 @@ def test_a_first_rung_screens_what_the_baselines_left_of_the_budget_at_the_measu
     assert out.wall_s == pytest.approx(3.6), out.wall_s
 
 
+def test_a_first_rung_screens_half_a_budget_after_baselines_that_took_it_whole(tmp_path, compiler, monkeypatch):
+    """A run's first shape pays the library's start in its baselines (4.7 s of a 5 s budget on
+    the H200, seed 20261310): reckoned from the time left alone, its first rung screened 1 of
+    the 64 built and kept a kernel at 0.296 of the library (60 s found 1.059). The rung screens
+    at least half a budget's worth: here 16 built at 0.05 s a kernel after baselines of 3.2 s
+    of a 3 s budget, all of them, and the best confirmed."""
+    worker = SlowSessionWorker([0.0], baselines_s=3.2, session_s=0.0, screen_s=0.05, call_us=95.0)
+    out = paced_run(tmp_path, compiler, monkeypatch, worker, 3.0, batch=4)
+    assert worker.sessions == [16, 1] and worker.screens == [True, False], worker.sessions
+    assert out.screened == 16 and out.best is not None
+
+
 def test_a_batch_is_timed_in_one_session_and_a_time_budget_in_sessions_that_fit_it(tmp_path, compiler):
     from cudal2.optimize import next_session
 
