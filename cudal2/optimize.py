@@ -596,14 +596,13 @@ class ShapeRun:
         passed = []
         first = not self.out.screened  # the shape's first screening pass
         least_until = time.monotonic() + FIRST_RUNG_LEAST * (self.budget.time_s or 0.0)
-        batch, items = len(items), list(items)
+        batch, items, most = len(items), list(items), session_size(self.ctx)
         while items:
             owed = self._first_rung(len(items), least_until) if first else 0
             left = self._time_left(self.confirm_s)  # what the confirmation leaves of the budget
             if left is not None and left < self.per_screen_s and owed <= 0 and (self.verified or passed):
                 break
-            size = max(next_session(len(items), session_size(self.ctx), left, self.per_screen_s),
-                       min(owed, session_size(self.ctx)))
+            size = max(next_session(len(items), most, left, self.per_screen_s), min(owed, most))
             session, items = items[:size], items[size:]
             self.seen_binaries.update(b for item in session if (b := binaries[item.source]) is not None)
             for item, row in zip(session, self._measure_session(session, screen=True), strict=True):
