@@ -1,4 +1,4 @@
-"""On a GPU: the gemv template (decode: M <= 8, or N <= 8 through C^T = B^T A^T) is correct
+"""On a GPU: the gemv template (decode: M <= 16, or N <= 16 through C^T = B^T A^T) is correct
 over decode and odd shapes in both dtypes and layouts, declines the shapes it cannot run, and
 passes the verifier. Run with `pytest -m gpu`."""
 
@@ -38,6 +38,15 @@ SHAPES = [(1, 4096, 4096), (2, 6144, 4096), (4, 1024, 14336), (8, 4096, 1024), (
           (7, 127, 65), (8, 17, 4097), (5, 4104, 520), (6, 24, 72), (1, 200, 8),
           (4096, 1, 4096), (1000, 3, 1001), (127, 5, 4096), (9, 8, 16), (4097, 8, 63), (33, 2, 520)]
 UNSUPPORTED = [(9, 9, 64), (16, 4096, 4096)]
+# 16 tokens (two MMAs a weight fragment): the register path's default and widest tile, K sliced
+# over a cluster (sm_90+) and bulk loads (sm_90), on 9-16 tokens (or N of 9-16 transposed) and
+# on fewer, with odd K and N; 17 and more declined.
+TOKENS_CONFIGS = ({"tokens": "16"}, {"tokens": "16", "tile_rows": "64", "warps": "4", "unroll": "1"})
+TOKENS_SM90_CONFIGS = ({"tokens": "16", "warps": "4", "unroll": "2", "split_k": "2"},
+                       {"tokens": "16", "loads": "bulk", "warps": "2", "unroll": "2", "stages": "6"})
+TOKENS_SHAPES = [(16, 4096, 4096), (9, 1000, 1001), (12, 127, 65), (16, 17, 4097), (13, 4104, 520), (1, 4096, 4096),
+                 (4096, 16, 4096), (1000, 11, 1001), (127, 9, 4096), (16, 16, 16), (4097, 16, 63)]
+TOKENS_UNSUPPORTED = [(17, 17, 64), (32, 4096, 4096)]
 
 
 @pytest.mark.parametrize("dtype", ["fp16", "bf16"])
@@ -49,10 +58,21 @@ def test_gemv_is_correct_on_decode_and_odd_shapes(compiler, dtype, layout):
     assert not failures, "\n".join(failures)
 
 
+@pytest.mark.parametrize("dtype", ["fp16", "bf16"])
+@pytest.mark.parametrize("layout", ["nn", "nt"])
+def test_gemv_with_16_tokens_is_correct_on_decode_and_odd_shapes(compiler, dtype, layout):
+    configs = TOKENS_CONFIGS + (TOKENS_SM90_CONFIGS if gpu_cc() >= 90 else ())
+    failures = template_failures(compiler, "gemv", configs, TOKENS_SHAPES, dtype, layout, seed=5,
+                                 declined=TOKENS_UNSUPPORTED)
+    assert not failures, "\n".join(failures)
+
+
 # Both layouts and dtypes, one token and eight, N <= 8 transposed (nn: B^T read along its
 # columns), K and N not multiples of 8.
 VERIFIED = [Problem(1, 4096, 4096, "bf16", "nt"), Problem(8, 6144, 4096, "fp16", "nn"),
             Problem(4096, 4, 4096, "fp16", "nn"), Problem(3, 1000, 1001, "bf16", "nt")]
+# 16 tokens, bf16 nt (Llama's projections at 16 tokens) and N of 12 transposed (fp16 nn).
+VERIFIED_16 = [Problem(16, 4096, 4096, "bf16", "nt"), Problem(4096, 12, 4096, "fp16", "nn")]
 
 
 def test_gemv_passes_the_verifier(context):  # noqa: F811
@@ -70,10 +90,13 @@ def test_gemv_passes_the_verifier(context):  # noqa: F811
         for problem in VERIFIED:
             ctx.problem, ctx.libraries = problem, None
             rows += list(evaluate(ctx, [template_candidate("gemv", {}, gpu_cc())]))
+        for problem in VERIFIED_16:
+            ctx.problem, ctx.libraries = problem, None
+            rows += list(evaluate(ctx, [template_candidate("gemv", {"tokens": "16"}, gpu_cc())]))
     finally:
         ctx.worker.close()
     report = [(row["m"], row["n"], row["k"], row["status"], row.get("error")) for row in rows]
-    assert [row["status"] for row in rows] == ["ok"] * len(VERIFIED), report
+    assert [row["status"] for row in rows] == ["ok"] * (len(VERIFIED) + len(VERIFIED_16)), report
     assert all(row["kernel_us"] > 0 and row["graph_us"] > 0 and row["speedup_offline"] > 0 for row in rows), report
 
 
