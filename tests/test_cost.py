@@ -340,8 +340,8 @@ def test_configurations_alike_in_what_the_cost_model_reads_are_priced_once_and_a
 
 def test_decode_shapes_rank_the_gemv_family_first_and_others_never_see_it():
     """M <= 16 (or N <= 16, run transposed) moves the weights once: gemv streams them with
-    nothing else on the path and is ranked first (16 tokens as two MMAs a weight fragment); a
-    shape with both sides wider is not its."""
+    nothing else on the path and is ranked first (16 tokens as two MMAs a weight fragment); it
+    runs up to 32 tokens; a shape with both sides wider is not its."""
     templates = load_templates()
     for problem in (Problem(1, 4096, 4096, "bf16", "nt"), Problem(4096, 8, 4096, "fp16", "nn"),
                     Problem(16, 4096, 4096, "bf16", "nt"), Problem(4096, 16, 4096, "fp16", "nn")):
@@ -358,5 +358,5 @@ def test_decode_shapes_rank_the_gemv_family_first_and_others_never_see_it():
         assert predict_us(gemv, sixteen, problem, H200) == math.inf
     # whether some configuration runs a shape (what the llm prompt and the search offer):
     # `requires` tried over every value of the parameters it reads
-    assert gemv.supports(Problem(16, 4096, 4096, "bf16", "nt"), 90) and gemv.supports(Problem(4096, 9, 64), 90)
-    assert not gemv.supports(Problem(17, 4096, 4096, "bf16", "nt"), 90) and not gemv.supports(Problem(2048, 512, 2048), 90)
+    assert gemv.supports(Problem(32, 4096, 4096, "bf16", "nt"), 90) and gemv.supports(Problem(4096, 9, 64), 90)
+    assert not gemv.supports(Problem(33, 4096, 4096, "bf16", "nt"), 90) and not gemv.supports(Problem(2048, 512, 2048), 90)
