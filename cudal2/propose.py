@@ -386,7 +386,7 @@ class SearchProposer:
         run from an empty cache has a verified kernel while the others compile."""
         if any(penalty(c.template, c.param_dict) <= 1.0 for c in picks):
             return
-        ranked = ranking.templates()  # a template that can run this shape (gemv: M or N <= 32)
+        ranked = ranking.templates()  # a template that can run this shape (gemv: M or N <= 8)
         quick = min((t for t in self.templates.values() if t.name in ranked and t.supports(problem, self.device["cc"])),
                     key=lambda t: t.space.compile_s, default=None)
         if quick is None or any(c.template == quick.name for c in picks):

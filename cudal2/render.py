@@ -352,18 +352,11 @@ class Space:
 
     def admits(self, problem: Problem) -> bool:
         """False where the [cost] table's `requires` rules the problem out whatever the
-        parameters: an expression of m, n, k and layout, and of parameters whose values it
-        tries in turn (gemv's `tokens`); True otherwise (it reads a derived value)."""
+        parameters (an expression of m, n, k and layout alone); True otherwise."""
         rule = self.cost.get("requires")
-        if rule is None:
+        if rule is None or any(self.reads(rule)):
             return True
-        params, derived = self.reads(rule)
-        if derived:
-            return True
-        names = sorted(params)
-        shape = {"m": problem.m, "n": problem.n, "k": problem.k, "layout": problem.layout}
-        return any(_evaluate(rule, {**shape, **dict(zip(names, values))})
-                   for values in itertools.product(*(self.params[name].values for name in names)))
+        return bool(_evaluate(rule, {"m": problem.m, "n": problem.n, "k": problem.k, "layout": problem.layout}))
 
     def cost_params(self) -> tuple[str, ...]:
         """The parameters the [cost] table reads (through derived values): two configurations
