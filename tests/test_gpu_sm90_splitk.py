@@ -4,7 +4,9 @@ memory, the clusters park their sums in the workspace and the last to arrive (ar
 in the library's static memory, reset by that cluster) sums them. Every verifier check passes
 (rotating inputs, memoisation probes, graph capture) on few-tile long-K shapes, edges cut by
 the tile and K not a multiple of the split; counters are zero again after back-to-back calls,
-graph replays and calls of other shapes. Run with `pytest -m gpu`."""
+graph replays and calls of other shapes; with the atomic fixup (the clusters add into a tile's
+fp32 sum in static memory) the same, the sums zero again after every call. Run with
+`pytest -m gpu`."""
 
 from __future__ import annotations
 
@@ -43,8 +45,16 @@ def build(compiler, params: dict, dtype: str, layout: str) -> Kernel:
 # two CTAs an SM).
 SMALL_WARP = {**SMALL, "producer": "warp"}
 LARGE_WARP = {**LARGE, "stages": "3", "producer": "warp"}
+# The atomic fixup: 128 CTAs without a cluster add their accumulators into a tile's fp32 sum in
+# static memory; clusters of 8 (and of two 128x128 CTAs) add their summed rows.
+DIRECT_ATOMIC = {**SMALL_WARP, "split_k": "1", "k_clusters": "128", "fixup": "atomic"}
+SMALL_ATOMIC = {**SMALL_WARP, "fixup": "atomic"}
+LARGE_ATOMIC = {**LARGE_WARP, "split_k": "2", "k_clusters": "8", "fixup": "atomic"}
+ATOMIC = (DIRECT_ATOMIC, SMALL_ATOMIC, LARGE_ATOMIC)
 CASES = ([("64x64", SMALL, *v) for v in VARIANTS] + [("128x128", LARGE, *v) for v in VARIANTS]
-         + [("64x64-warp", SMALL_WARP, *v) for v in VARIANTS] + [("128x128-warp", LARGE_WARP, *v) for v in VARIANTS])
+         + [("64x64-warp", SMALL_WARP, *v) for v in VARIANTS] + [("128x128-warp", LARGE_WARP, *v) for v in VARIANTS]
+         + [("64x64-atomic-direct", DIRECT_ATOMIC, *v) for v in VARIANTS]
+         + [("64x64-atomic", SMALL_ATOMIC, *v) for v in VARIANTS] + [("128x128-atomic", LARGE_ATOMIC, *v) for v in VARIANTS])
 
 
 @pytest.mark.parametrize("params, dtype, layout", [case[1:] for case in CASES], ids=["-".join(c[::2] + c[3:]) for c in CASES])
@@ -52,6 +62,9 @@ def test_gmma_split_k_passes_the_verifier_on_few_tile_long_k_shapes(compiler, pa
     kernel = build(compiler, params, dtype, layout)
     failures = verifier_failures(kernel, SHAPES, dtype, layout, seed=7)
     assert not failures, "\n".join(failures)
+    if params in ATOMIC:  # the sums live in static memory
+        assert kernel.workspace_bytes(64, 64, 16384) == 0
+        return
     # The split fills the GPU: one tile of a long K takes as many clusters of 8 as run at once,
     # at most 16 (128 of the 132 SMs): all 16 where CTAs share SMs (64x64), at least 8 where
     # each takes an SM's shared memory and a cluster must find 8 free SMs in one GPC.
@@ -85,7 +98,9 @@ def test_counters_reset_over_back_to_back_calls_graph_replays_and_other_shapes(c
     replayed three times over inputs changed in place, then calls alternating between shapes
     of different tile counts: every output is right (a counter left non-zero would make a
     cluster sum too early, or none at all), and two calls on the same inputs agree to the
-    bit (the partial tiles are summed in a fixed order, whichever cluster arrives last)."""
-    for params in (SMALL, SMALL_WARP):
-        failures = split_k_reset_failures(build(compiler, params, "bf16", "nt"), seed=8)
+    bit (the partial tiles are summed in a fixed order, whichever cluster arrives last). With
+    the atomic fixup, every output stays right: each tile's sum is zero again for the next call."""
+    for params in (SMALL, SMALL_WARP, *ATOMIC):
+        failures = split_k_reset_failures(build(compiler, params, "bf16", "nt"), seed=8,
+                                          deterministic=params not in ATOMIC)
         assert not failures, "\n".join(failures)

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import pytest
 
+from cudal2.errors import Cudal2Error
 from cudal2.problem import Problem
 from cudal2.render import get_template, render, template_candidate
 from cudal2.verify import forbidden_imports
@@ -35,6 +36,20 @@ def test_clusters_fill_one_wave_of_the_sms_and_leave_every_cta_k():
     assert split_of(pairs, Problem(4096, 128, 16384)) == (4, 2)
 
 
+def test_the_atomic_fixup_takes_up_to_128_ctas_a_tile_while_the_tiles_sums_fit_static_memory():
+    direct = {"block_m": 64, "block_n": 64, "split_k": 1, "k_clusters": 128, "fixup": "atomic"}
+    assert split_of(direct, Problem(64, 64, 16384)) == (128, 1)  # one tile, 128 CTAs without a cluster
+    assert split_of(direct, Problem(256, 128, 16384)) == (16, 1)  # 8 tiles: 16 CTAs each
+    # 256 tiles of 64x64 fill the 4 MiB of sums; beyond, one CTA a tile stores its own.
+    assert split_of(direct, Problem(256, 4096, 16384)) == (1, 1)
+    assert split_of({**direct, "block_n": 128}, Problem(256, 8192, 16384)) == (1, 1)
+    # The workspace's last cluster loads a float4 of every cluster at once: 32 at most.
+    with pytest.raises(Cudal2Error, match="k_clusters <= 32"):
+        SPACE.resolve({**direct, "fixup": "workspace"}, 90, "sm90_splitk")
+    with pytest.raises(Cudal2Error, match="k_clusters > 1"):  # the atomic fixup joins clusters
+        SPACE.resolve({**direct, "k_clusters": 1}, 90, "sm90_splitk")
+
+
 def test_it_serves_few_tiles_with_a_long_k_on_rows_tma_can_read():
     assert SPACE.admits(Problem(64, 64, 16384, "bf16", "nt"))
     assert SPACE.admits(Problem(2048, 64, 16384, "fp16", "nn"))
@@ -47,12 +62,14 @@ def test_it_serves_few_tiles_with_a_long_k_on_rows_tma_can_read():
 
 @pytest.mark.nvcc
 @pytest.mark.slow  # one CuTe TMA + GMMA build: about a minute of one core
-@pytest.mark.parametrize("producer", ["thread", "warp"])
-def test_two_warpgroup_n_major_configuration_builds_for_sm90a(compiler, producer):
+@pytest.mark.parametrize("producer, fixup", [("thread", "workspace"), ("warp", "workspace"), ("warp", "atomic")])
+def test_two_warpgroup_n_major_configuration_builds_for_sm90a(compiler, producer, fixup):
     """fp16 nn reads B N-major (GMMA's transposed B) and a 128-row tile takes two warpgroups
-    (and, with producer=warp, a warp that issues the loads): it builds without spills, imports
-    only what a kernel may, and declares the dynamic shared memory its space reckons."""
-    params = {"block_m": "128", "block_n": "128", "stages": "4", "split_k": "8", "k_clusters": "16", "producer": producer}
+    (and, with producer=warp, a warp that issues the loads; with the atomic fixup, vector
+    atomics into static memory): it builds without spills, imports only what a kernel may, and
+    declares the dynamic shared memory its space reckons."""
+    params = {"block_m": "128", "block_n": "128", "stages": "4", "split_k": "8", "k_clusters": "16", "producer": producer,
+              "fixup": fixup}
     build = compiler.compile(render(template_candidate("sm90_splitk", params, 90), Problem(1, 1, 1, "fp16", "nn")))
     assert build.status == "ok", build.log[-3000:]
     assert {"cudal2_gemm", "cudal2_workspace_bytes"} <= set(build.exports)
