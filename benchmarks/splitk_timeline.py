@@ -5,7 +5,8 @@ every CTA printed as percentiles, in microseconds from the first CTA's start:
   start        the CTA begins
   first_stage  its consumers find the first K tile landed in shared memory
   mainloop     its last GMMA is done
-  parked       its partial tile sits in shared memory and its cluster has synchronised
+  parked       its partial tile sits in shared memory and its cluster has synchronised (with
+               fixup=atomic and no cluster: its accumulators' atomics are issued)
   arrive0/1    (several clusters a tile) its cluster's sum is in the workspace: before and
                after the arrival's atomic
   end          its tile's C is stored (one CTA per cluster rank: the last cluster's)
@@ -69,7 +70,11 @@ def with_probes(source: str) -> str:
         after("    if (tid == 0) {\n      unsigned int before;\n", "      timeline[4] = timeline_now();\n")
         after("      if (last) *arrivals = 0;  // every cluster has arrived: ready for the next call\n",
               "      timeline[5] = timeline_now();\n")
-        after("            store(rank * ROWS + idx / QUADS, (idx % QUADS) * 4, sum);\n          }\n        }\n      }\n",
+        # the last cluster's store: of the parked tiles' sum, or of the atomic fixup's one tile
+        atomic = "red_add" in source
+        after("            __stcg(reinterpret_cast<float4*>(tile_sum + r * BN + c), make_float4(0.f, 0.f, 0.f, 0.f));\n"
+              "          }\n        }\n      }\n" if atomic else
+              "            store(rank * ROWS + idx / QUADS, (idx % QUADS) * 4, sum);\n          }\n        }\n      }\n",
               "      if (tid == 0) timeline[6] = timeline_now();\n")
     # the single cluster's store (a build for several runs one where they would not fill the GPU)
     single = "gridDim.y == 1 && " if "tile_arrivals + pid" in source else ""

@@ -93,6 +93,11 @@ TIMELINE_CASES = [  # several clusters a tile; one cluster; no cluster, the prod
     ({"block_m": "64", "block_n": "64", "stages": "4", "split_k": "8", "k_clusters": "16", "producer": "warp"}, "fp16", "nn"),
     ({"block_m": "128", "block_n": "128", "stages": "6", "split_k": "2", "k_clusters": "1", "producer": "warp"}, "bf16", "nt"),
     ({"block_m": "128", "block_n": "64", "stages": "4", "split_k": "1", "k_clusters": "8", "producer": "thread"}, "fp16", "nn"),
+    # the atomic fixup, without a cluster and with one
+    ({"block_m": "64", "block_n": "64", "stages": "4", "split_k": "1", "k_clusters": "128", "producer": "warp",
+      "fixup": "atomic"}, "fp16", "nn"),
+    ({"block_m": "64", "block_n": "64", "stages": "4", "split_k": "8", "k_clusters": "16", "producer": "warp",
+      "fixup": "atomic"}, "bf16", "nt"),
 ]
 
 
