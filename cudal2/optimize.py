@@ -561,12 +561,17 @@ class ShapeRun:
         the batch (those are held for it). True if the best speedup improved."""
         improved = False
         fresh, binaries = self._distinct_binaries(built)
+        lead = None  # the screened ratio of the screen's best
         try:
             if self.budget.screen > 1 and len(fresh) > 1:
-                fresh = self._screen(fresh, binaries, rows)
+                fresh, lead = self._screen(fresh, binaries, rows)
             for session in self._sessions(fresh):
-                # with a verified kernel, a session is begun only if it is expected to end within the budget
-                if self.verified and self._over_time(self._session_s(len(session))):
+                # With a verified kernel, a session is begun only if it is expected to end within
+                # the budget; but the screen's best is confirmed, past the budget if need be, where
+                # it screened ahead of every confirmed kernel (the one confirmed ahead of its batch,
+                # or an earlier run's): a screen that found a better kernel never goes unconfirmed.
+                owed, lead = lead is not None and lead > self.best_speedup, None
+                if self.verified and not owed and self._over_time(self._session_s(len(session))):
                     break
                 self.seen_binaries.update(b for item in session if (b := binaries[item.source]) is not None)
                 for row in self._measure_session(session):
@@ -585,14 +590,16 @@ class ShapeRun:
         improved, self.held_improved = improved or self.held_improved, False
         return improved
 
-    def _screen(self, items: list[Built], binaries: dict[str, str | None], rows: list[dict[str, Any]]) -> list[Built]:
+    def _screen(self, items: list[Built], binaries: dict[str, str | None],
+                rows: list[dict[str, Any]]) -> tuple[list[Built], float | None]:
         """Successive halving's first rung (Jamieson and Talwalkar, 2016): every kernel of
         the batch screened (the screening checks, then timed by the graph method alone for a
         few rounds, Worker._screen), in sessions that fit the time left beside the
         confirmation (the shape's first rung: at least _first_rung of them, reckoned again
         after each session); its rows join `rows` (status SCREENED where it passed: never
         ranked). Returns the second rung: the best 1 / budget.screen of the batch by the
-        screened ratio, best first, for the full protocol."""
+        screened ratio, best first, for the full protocol; and the best's screened ratio (None
+        where none passed)."""
         passed = []
         first = not self.out.screened  # the shape's first screening pass
         least_until = time.monotonic() + FIRST_RUNG_LEAST * (self.budget.time_s or 0.0)
@@ -611,7 +618,7 @@ class ShapeRun:
                 if row["status"] == SCREENED and (ratio := row.get("speedup_graph")) is not None and ratio == ratio:
                     passed.append((ratio, item))
         passed.sort(key=lambda pair: -pair[0])
-        return [item for _, item in passed[:math.ceil(batch / self.budget.screen)]]
+        return [item for _, item in passed[:math.ceil(batch / self.budget.screen)]], (passed[0][0] if passed else None)
 
     def _first_rung(self, count: int, least_until: float) -> int:
         """How many of `count` kernels the next session of a shape's first screening pass

@@ -362,6 +362,24 @@ def test_a_first_rung_screens_half_a_budget_after_baselines_that_took_it_whole(t
     assert out.screened == 16 and out.best is not None
 
 
+def test_a_screen_that_found_a_kernel_ahead_of_every_confirmed_one_confirms_it_past_the_budget(tmp_path, compiler,
+                                                                                           monkeypatch):
+    """On the H200 (--time-budget 10, seed 20261401), 6144x256x8192 confirmed a kernel ahead of
+    its batch (0.405 of the library), then its first rung screened 63 to past the budget, the
+    best at about 0.89 of the library; with a kernel verified, no confirmation began, and the
+    shape kept 0.405. The screen's best is now confirmed, past the budget if need be, where it
+    screened ahead of every confirmed kernel: here a re-run, whose earlier run's kernel (0.24
+    of the library) is verified from the start, screens after baselines that took the whole
+    budget, confirms the best, and keeps it."""
+    first = optimize(context(tmp_path, compiler, StandInWorker(times=[400.0])), sm80_search(),
+                     Budget(iterations=1, batch=1, patience=None))
+    assert first.best["speedup_offline"] < 0.25
+    worker = SlowSessionWorker([0.0], baselines_s=3.2, session_s=0.0, screen_s=0.05, call_us=95.0)
+    out = paced_run(tmp_path, compiler, monkeypatch, worker, 3.0, batch=4)
+    assert worker.screens == [True, False], worker.sessions  # a screening session, then the confirmation
+    assert worker.sessions[1] == 1 and out.best["speedup_offline"] > 0.5
+
+
 def test_a_batch_is_timed_in_one_session_and_a_time_budget_in_sessions_that_fit_it(tmp_path, compiler):
     from cudal2.optimize import next_session
 
