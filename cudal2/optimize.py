@@ -565,14 +565,15 @@ class ShapeRun:
         try:
             if self.budget.screen > 1 and len(fresh) > 1:
                 fresh, lead = self._screen(fresh, binaries, rows)
+            # With a verified kernel, a session is begun only if it is expected to end within the
+            # budget; but the screen's best is confirmed, past the budget if need be, where it
+            # screened ahead of every confirmed kernel (the one confirmed ahead of its batch, or an
+            # earlier run's): a screen that found a better kernel never goes unconfirmed.
+            owed = lead is not None and lead > self.best_speedup
             for session in self._sessions(fresh):
-                # With a verified kernel, a session is begun only if it is expected to end within
-                # the budget; but the screen's best is confirmed, past the budget if need be, where
-                # it screened ahead of every confirmed kernel (the one confirmed ahead of its batch,
-                # or an earlier run's): a screen that found a better kernel never goes unconfirmed.
-                owed, lead = lead is not None and lead > self.best_speedup, None
                 if self.verified and not owed and self._over_time(self._session_s(len(session))):
                     break
+                owed = False
                 self.seen_binaries.update(b for item in session if (b := binaries[item.source]) is not None)
                 for row in self._measure_session(session):
                     rows.append(row)
