@@ -177,6 +177,13 @@ def kernel_identity(df: pd.DataFrame) -> pd.Series:
     return ("template " + template + " " + params).where(template.notna() & (template != ""), by_source)
 
 
+def verified(df: pd.DataFrame) -> pd.DataFrame:
+    """The rows that measured a verified kernel (no baseline) with a speedup, each with its
+    kernel_identity in `_kernel`: what best() ranks, and what a problem's kernels count."""
+    ok = df[(df["status"] == "ok") & ~df["kernel"].isin(BASELINES) & df["speedup_offline"].notna()]
+    return ok.assign(_kernel=kernel_identity(ok))
+
+
 def best(df: pd.DataFrame, top: int = 1) -> pd.DataFrame:
     """THE rule for "best": the `top` fastest verified kernels per problem, GPU and protocol
     (rows of two protocols are never ranked together), by the claimed offline speedup.
@@ -186,8 +193,7 @@ def best(df: pd.DataFrame, top: int = 1) -> pd.DataFrame:
     after a driver upgrade) is meant to replace what it re-measures. Kernels are told apart
     by kernel_identity, so shipped rows (no source) and a results directory's rows rank
     alike, and together."""
-    ok = df[(df["status"] == "ok") & ~df["kernel"].isin(BASELINES) & df["speedup_offline"].notna()]
-    ok = ok.assign(_kernel=kernel_identity(ok))
+    ok = verified(df)
     latest = ok.sort_values("time", kind="stable").drop_duplicates(PROBLEM_KEYS + ["_kernel"], keep="last")
     ranked = latest.sort_values("speedup_offline", ascending=False, kind="stable")
     return ranked.groupby(PROBLEM_KEYS, sort=True, dropna=False).head(top).drop(columns="_kernel").reset_index(drop=True)

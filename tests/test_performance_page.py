@@ -29,6 +29,21 @@ def test_the_summary_counts_every_problem_and_those_where_the_library_is_at_the_
                                                     roof({"gpu": r.gpu})) * (1 + TIE) for r in rows.itertuples())
     assert 0 < by_hand < problems
     last = performance_page.summary(rows)[-1].split("|")
-    assert last[1].strip() == "all" and int(last[2]) == problems and int(last[-2]) == by_hand
+    assert last[1].strip() == "all" and int(last[2]) == problems and int(last[-3]) == by_hand
     # wins, ties and losses split the problems
     assert sum(int(last[i]) for i in (4, 5, 6)) == problems
+
+
+def test_each_shape_says_how_many_kernels_were_measured_on_it():
+    """A problem tuned for a few seconds holds one or two verified kernels, one studied in depth
+    dozens: each row counts its problem's distinct verified kernels (a kernel measured twice
+    counts once; baselines and failed kernels not at all), and the summary gives their median."""
+    df = shipped(PROTOCOL)
+    rows = performance_page.measured(df)
+    ok = df[(df["status"] == "ok") & ~df["kernel"].isin(["cuBLAS", "cuBLASLt", "torch.matmul"])]
+    for r in rows.sample(20, random_state=3).itertuples():
+        mine = ok[(ok.m == r.m) & (ok.n == r.n) & (ok.k == r.k) & (ok.dtype == r.dtype) & (ok.layout == r.layout)]
+        assert r.kernels == len(set(zip(mine.template, mine.params))) >= 1, (r.m, r.n, r.k)
+    assert rows["kernels"].max() > 10 and rows["kernels"].min() == 1
+    last = performance_page.summary(rows)[-1].split("|")
+    assert float(last[-2]) == rows["kernels"].median()
