@@ -50,6 +50,22 @@ def test_one_tile_with_a_long_k_ranks_the_split_over_clusters_first():
     assert (inputs["split_k"], inputs["waiting_slices"]) == (16 * params["split_k"], params["split_k"])
 
 
+def test_a_cluster_splitting_a_tiny_problems_k_pays_its_meeting():
+    """On the H200, sm80_mma tiles split over a cluster ran 0.72-0.75 of the library at
+    64x512x256 and 128x256x256 where unsplit ones ran 1.00-1.05: at K = 256 the cluster's
+    barrier and its sum through distributed shared memory cost more than the slices save. At
+    K = 1024 and beyond a split still ranks first."""
+    sm80 = {"sm80_mma": get_template("sm80_mma")}
+    for problem in (Problem(64, 512, 256), Problem(128, 256, 256), Problem(64, 256, 128)):
+        ranked = rank(sm80, problem, H200)
+        unsplit = next(us for us, _, params in ranked if params["split_k"] == 1 and params["k_clusters"] == 1)
+        split = next(us for us, _, params in ranked if params["split_k"] > 1)
+        assert split > 1.15 * unsplit, (problem, split, unsplit)
+    for problem in (Problem(64, 128, 1024), Problem(128, 128, 4096)):
+        _, _, params = rank(sm80, problem, H200)[0]
+        assert params["split_k"] > 1, (problem, params)
+
+
 def test_no_cluster_costs_only_where_tiles_are_walked_without_a_swizzle():
     """Measured on the H200 at 4096^3 and 8192^3: 128x256 without a cluster ran 1.5% behind 2x1
     walked without a swizzle, and level with it (or ahead) walked with a swizzle of 8, where
