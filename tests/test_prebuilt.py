@@ -108,6 +108,24 @@ def test_a_wide_output_of_fewer_tiles_than_sms_and_a_long_k_finds_a_kernel_that_
     assert waves and any(0.5 < w <= 1.0 for w in waves), waves
 
 
+def test_a_skinny_short_k_output_with_a_long_side_finds_a_one_wave_tiling_built(monkeypatch):
+    # 12288x128 (and 128x12288) with K = 128: in 128x128 tiles, 96 CTAs stream the long operand
+    # on 132 SMs (the shipped rows: 0.74-0.88 of the library); the regions' picks tile it in
+    # about one wave of 64-row tiles, swapped where C is tall (its M along the GMMA's N).
+    regions = {name: prebuilt.REGIONS[name] for name in ("skinny short-K, tall", "skinny short-K, wide")}
+    monkeypatch.setattr(prebuilt, "REGIONS", regions)
+    monkeypatch.setattr(prebuilt, "VARIANTS", (("fp16", "nn"),))
+    entries = prebuilt.kernel_set(90, measured([{"params": sm80(), "speedup_offline": 1.0}]))
+    for name, (m, n, _) in regions.items():
+        waves = []
+        for entry in entries:
+            params = entry.candidate.param_dict
+            if name in entry.why and entry.candidate.template == "sm90_cutlass":
+                rows, cols = (n, m) if params["swap_ab"] == "yes" else (m, n)
+                waves.append(-(-rows // params["tile_m"]) * -(-cols // params["tile_n"]) / 132)
+        assert waves and all(0.75 < w <= 1.0 for w in waves), (name, waves)
+
+
 def test_one_build_serves_every_shape_of_its_dtype_and_layout():
     for name in load_templates():
         candidate = template_candidate(name, {}, 90)
