@@ -116,13 +116,11 @@ def test_a_skinny_short_k_output_with_a_long_side_finds_a_one_wave_tiling_built(
     monkeypatch.setattr(prebuilt, "REGIONS", regions)
     monkeypatch.setattr(prebuilt, "VARIANTS", (("fp16", "nn"),))
     entries = prebuilt.kernel_set(90, measured([{"params": sm80(), "speedup_offline": 1.0}]))
-    for name, (m, n, _) in regions.items():
-        waves = []
-        for entry in entries:
-            params = entry.candidate.param_dict
-            if name in entry.why and entry.candidate.template == "sm90_cutlass":
-                rows, cols = (n, m) if params["swap_ab"] == "yes" else (m, n)
-                waves.append(-(-rows // params["tile_m"]) * -(-cols // params["tile_n"]) / 132)
+    space = get_template("sm90_cutlass").space
+    for name, shape in regions.items():
+        # the tiles as the space counts them (swapped operands tile C^T)
+        waves = [space.cost_inputs(entry.candidate.param_dict, 90, Problem(*shape), 132)["tiles"] / 132
+                 for entry in entries if name in entry.why and entry.candidate.template == "sm90_cutlass"]
         assert waves and all(0.75 < w <= 1.0 for w in waves), (name, waves)
 
 
