@@ -65,16 +65,16 @@ def test_it_serves_few_tiles_with_a_long_k_on_rows_tma_can_read():
 
 @pytest.mark.nvcc
 @pytest.mark.slow  # one CuTe TMA + GMMA build: about a minute of one core
-@pytest.mark.parametrize("producer, fixup", [("thread", "workspace"), ("warp", "workspace"), ("warp", "atomic"),
-                                             ("warp", "spread")])
-def test_two_warpgroup_n_major_configuration_builds_for_sm90a(compiler, producer, fixup):
-    """fp16 nn reads B N-major (GMMA's transposed B) and a 128-row tile takes two warpgroups
-    (and, with producer=warp, a warp that issues the loads; with the atomic fixup, vector
-    atomics into static memory; with the spread fixup, a barrier per tile and the groups' sums
-    in shared memory): it builds without spills, imports only what a kernel may, and
-    declares the dynamic shared memory its space reckons."""
-    params = {"block_m": "128", "block_n": "128", "stages": "4", "split_k": "8", "k_clusters": "16", "producer": producer,
-              "fixup": fixup}
+@pytest.mark.parametrize("producer, fixup, tile", [("thread", "workspace", 128), ("warp", "workspace", 128),
+                                                   ("warp", "atomic", 128), ("warp", "spread", 128), ("warp", "spread", 192)])
+def test_multi_warpgroup_n_major_configuration_builds_for_sm90a(compiler, producer, fixup, tile):
+    """fp16 nn reads B N-major (GMMA's transposed B) and a 128-row tile takes two warpgroups, a
+    192-row one three (and, with producer=warp, a warp that issues the loads; with the atomic
+    fixup, vector atomics into static memory; with the spread fixup, a barrier per tile and the
+    groups' sums in shared memory): it builds without spills, imports only what a kernel may,
+    and declares the dynamic shared memory its space reckons."""
+    params = {"block_m": str(tile), "block_n": str(tile), "stages": "4", "split_k": "8", "k_clusters": "16",
+              "producer": producer, "fixup": fixup}
     build = compiler.compile(render(template_candidate("sm90_splitk", params, 90), Problem(1, 1, 1, "fp16", "nn")))
     assert build.status == "ok", build.log[-3000:]
     assert {"cudal2_gemm", "cudal2_workspace_bytes"} <= set(build.exports)
