@@ -8,8 +8,9 @@ every CTA printed as percentiles, in microseconds from the first CTA's start:
   parked       its partial tile sits in shared memory and its cluster has synchronised (with
                fixup=atomic and no cluster: its accumulators' atomics are issued)
   arrive0/1    (several clusters a tile) its cluster's sum is in the workspace: before and
-               after the arrival's atomic
-  end          its tile's C is stored (one CTA per cluster rank: the last cluster's)
+               after the arrival's atomic (fixup=spread: after the wait for the tile's others)
+  end          its tile's C is stored (one CTA per cluster rank: the last cluster's; with
+               fixup=spread, every CTA's share)
 
   PYTHONPATH=. python benchmarks/splitk_timeline.py 64x64x16384 \
       '{"block_m": 64, "block_n": 64, "stages": 4, "split_k": 8, "k_clusters": 16, "producer": "warp"}'
@@ -66,7 +67,11 @@ def with_probes(source: str) -> str:
     after("    warpgroup_wait<0>();\n    warpgroup_fence_operand(acc);\n  }\n", "  if (tid == 0) timeline[2] = timeline_now();\n")
     after("  cluster.sync();\n" if "cg::this_cluster()" in source else "  __syncthreads();\n  constexpr int rank = 0;\n",
           "  if (tid == 0) timeline[3] = timeline_now();\n")
-    if "tile_arrivals + pid" in source:  # several clusters a tile
+    if "unsigned int before, now;" in source:  # several clusters a tile that wait for each other (spread)
+        after("      unsigned int before, now;\n", "      timeline[4] = timeline_now();\n")
+        after("      } while (((now ^ before) & 0x80000000u) == 0);\n", "      timeline[5] = timeline_now();\n")
+        after("        store_item(first + i, sum);\n      }\n    }\n", "    if (tid == 0) timeline[6] = timeline_now();\n")
+    elif "tile_arrivals + pid" in source:  # several clusters a tile, the last to arrive stores it
         after("    if (tid == 0) {\n      unsigned int before;\n", "      timeline[4] = timeline_now();\n")
         after("      if (last) *arrivals = 0;  // every cluster has arrived: ready for the next call\n",
               "      timeline[5] = timeline_now();\n")

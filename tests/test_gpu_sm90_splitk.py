@@ -5,8 +5,10 @@ in the library's static memory, reset by that cluster) sums them. Every verifier
 (rotating inputs, memoisation probes, graph capture) on few-tile long-K shapes, edges cut by
 the tile and K not a multiple of the split; counters are zero again after back-to-back calls,
 graph replays and calls of other shapes; with the atomic fixup (the clusters add into a tile's
-fp32 sum in static memory) the same, the sums zero again after every call. Run with
-`pytest -m gpu`."""
+fp32 sum in static memory) the same, the sums zero again after every call; with the spread
+fixup (the clusters park their sums, wait for each other and each sum a share of the tile) the
+same, to the bit from call to call, the barriers' counters ready for the next call; tiles of
+192 rows (three warpgroups) or 192 columns alike. Run with `pytest -m gpu`."""
 
 from __future__ import annotations
 
@@ -50,11 +52,24 @@ LARGE_WARP = {**LARGE, "stages": "3", "producer": "warp"}
 DIRECT_ATOMIC = {**SMALL_WARP, "split_k": "1", "k_clusters": "128", "fixup": "atomic"}
 SMALL_ATOMIC = {**SMALL_WARP, "fixup": "atomic"}
 LARGE_ATOMIC = {**LARGE_WARP, "split_k": "2", "k_clusters": "8", "fixup": "atomic"}
-ATOMIC = (DIRECT_ATOMIC, SMALL_ATOMIC, LARGE_ATOMIC)
+# Tiles of 192 rows (three warpgroups) or 192 columns.
+WIDE_ATOMIC = {"block_m": "128", "block_n": "192", "stages": "4", "split_k": "1", "k_clusters": "8", "fixup": "atomic"}
+ATOMIC = (DIRECT_ATOMIC, SMALL_ATOMIC, LARGE_ATOMIC, WIDE_ATOMIC)
+# The spread fixup: 128 CTAs without a cluster (their shares summed in 16 groups of 8), clusters
+# of 8 (16 of them a tile: two groups), pairs of 128x128 CTAs (8 clusters: one group), and pairs
+# of 192x128 CTAs.
+DIRECT_SPREAD = {**DIRECT_ATOMIC, "fixup": "spread"}
+SMALL_SPREAD = {**SMALL_ATOMIC, "fixup": "spread"}
+LARGE_SPREAD = {**LARGE_ATOMIC, "fixup": "spread"}
+WIDE_SPREAD = {"block_m": "192", "block_n": "128", "stages": "4", "split_k": "2", "k_clusters": "8", "fixup": "spread"}
+SPREAD = (DIRECT_SPREAD, SMALL_SPREAD, LARGE_SPREAD, WIDE_SPREAD)
 CASES = ([("64x64", SMALL, *v) for v in VARIANTS] + [("128x128", LARGE, *v) for v in VARIANTS]
          + [("64x64-warp", SMALL_WARP, *v) for v in VARIANTS] + [("128x128-warp", LARGE_WARP, *v) for v in VARIANTS]
          + [("64x64-atomic-direct", DIRECT_ATOMIC, *v) for v in VARIANTS]
-         + [("64x64-atomic", SMALL_ATOMIC, *v) for v in VARIANTS] + [("128x128-atomic", LARGE_ATOMIC, *v) for v in VARIANTS])
+         + [("64x64-atomic", SMALL_ATOMIC, *v) for v in VARIANTS] + [("128x128-atomic", LARGE_ATOMIC, *v) for v in VARIANTS]
+         + [("64x64-spread-direct", DIRECT_SPREAD, *v) for v in VARIANTS]
+         + [("64x64-spread", SMALL_SPREAD, *v) for v in VARIANTS] + [("128x128-spread", LARGE_SPREAD, *v) for v in VARIANTS]
+         + [("128x192-atomic", WIDE_ATOMIC, *v) for v in VARIANTS] + [("192x128-spread", WIDE_SPREAD, *v) for v in VARIANTS])
 
 
 @pytest.mark.parametrize("params, dtype, layout", [case[1:] for case in CASES], ids=["-".join(c[::2] + c[3:]) for c in CASES])
@@ -68,9 +83,13 @@ def test_gmma_split_k_passes_the_verifier_on_few_tile_long_k_shapes(compiler, pa
     # The split fills the GPU: one tile of a long K takes as many clusters of 8 as run at once,
     # at most 16 (128 of the 132 SMs): all 16 where CTAs share SMs (64x64), at least 8 where
     # each takes an SM's shared memory and a cluster must find 8 free SMs in one GPC.
+    # With the spread fixup, the cap (k_clusters): the SMs hold more.
     tile = int(params["block_m"]) * int(params["block_n"])
     clusters = kernel.workspace_bytes(64, 64, 16384) // (tile * 4)
-    assert (clusters == 16) if params in (SMALL, SMALL_WARP) else (8 <= clusters <= 16), clusters
+    if params in SPREAD:
+        assert clusters == int(params["k_clusters"]), clusters
+    else:
+        assert (clusters == 16) if params in (SMALL, SMALL_WARP) else (8 <= clusters <= 16), clusters
     assert kernel.workspace_bytes(512, 256, 64) == 0  # one K tile: one cluster, nothing parked
 
 
@@ -99,8 +118,9 @@ def test_counters_reset_over_back_to_back_calls_graph_replays_and_other_shapes(c
     of different tile counts: every output is right (a counter left non-zero would make a
     cluster sum too early, or none at all), and two calls on the same inputs agree to the
     bit (the partial tiles are summed in a fixed order, whichever cluster arrives last). With
-    the atomic fixup, every output stays right: each tile's sum is zero again for the next call."""
-    for params in (SMALL, SMALL_WARP, *ATOMIC):
+    the atomic fixup, every output stays right: each tile's sum is zero again for the next call.
+    With the spread fixup, outputs agree to the bit too, whichever cluster arrives last."""
+    for params in (SMALL, SMALL_WARP, *ATOMIC, *SPREAD):
         failures = split_k_reset_failures(build(compiler, params, "bf16", "nt"), seed=8,
                                           deterministic=params not in ATOMIC)
         assert not failures, "\n".join(failures)

@@ -43,11 +43,14 @@ def test_the_atomic_fixup_takes_up_to_128_ctas_a_tile_while_the_tiles_sums_fit_s
     # 256 tiles of 64x64 fill the 4 MiB of sums; beyond, one CTA a tile stores its own.
     assert split_of(direct, Problem(256, 4096, 16384)) == (1, 1)
     assert split_of({**direct, "block_n": 128}, Problem(256, 8192, 16384)) == (1, 1)
-    # The workspace's last cluster loads a float4 of every cluster at once: 32 at most.
+    # The workspace's last cluster loads a float4 of every cluster at once: 32 at most. The
+    # spread fixup's clusters each load eight at a time: 128 clusters a tile too.
     with pytest.raises(Cudal2Error, match="k_clusters <= 32"):
         SPACE.resolve({**direct, "fixup": "workspace"}, 90, "sm90_splitk")
-    with pytest.raises(Cudal2Error, match="k_clusters > 1"):  # the atomic fixup joins clusters
-        SPACE.resolve({**direct, "k_clusters": 1}, 90, "sm90_splitk")
+    assert split_of({**direct, "fixup": "spread"}, Problem(64, 64, 16384)) == (128, 1)
+    for fixup in ("atomic", "spread"):  # ways for clusters to meet
+        with pytest.raises(Cudal2Error, match="k_clusters > 1"):
+            SPACE.resolve({**direct, "k_clusters": 1, "fixup": fixup}, 90, "sm90_splitk")
 
 
 def test_it_serves_few_tiles_with_a_long_k_on_rows_tma_can_read():
@@ -62,14 +65,16 @@ def test_it_serves_few_tiles_with_a_long_k_on_rows_tma_can_read():
 
 @pytest.mark.nvcc
 @pytest.mark.slow  # one CuTe TMA + GMMA build: about a minute of one core
-@pytest.mark.parametrize("producer, fixup", [("thread", "workspace"), ("warp", "workspace"), ("warp", "atomic")])
-def test_two_warpgroup_n_major_configuration_builds_for_sm90a(compiler, producer, fixup):
-    """fp16 nn reads B N-major (GMMA's transposed B) and a 128-row tile takes two warpgroups
-    (and, with producer=warp, a warp that issues the loads; with the atomic fixup, vector
-    atomics into static memory): it builds without spills, imports only what a kernel may, and
-    declares the dynamic shared memory its space reckons."""
-    params = {"block_m": "128", "block_n": "128", "stages": "4", "split_k": "8", "k_clusters": "16", "producer": producer,
-              "fixup": fixup}
+@pytest.mark.parametrize("producer, fixup, tile", [("thread", "workspace", 128), ("warp", "workspace", 128),
+                                                   ("warp", "atomic", 128), ("warp", "spread", 128), ("warp", "spread", 192)])
+def test_multi_warpgroup_n_major_configuration_builds_for_sm90a(compiler, producer, fixup, tile):
+    """fp16 nn reads B N-major (GMMA's transposed B) and a 128-row tile takes two warpgroups, a
+    192-row one three (and, with producer=warp, a warp that issues the loads; with the atomic
+    fixup, vector atomics into static memory; with the spread fixup, a barrier per tile and the
+    groups' sums in shared memory): it builds without spills, imports only what a kernel may,
+    and declares the dynamic shared memory its space reckons."""
+    params = {"block_m": str(tile), "block_n": str(tile), "stages": "4", "split_k": "8", "k_clusters": "16",
+              "producer": producer, "fixup": fixup}
     build = compiler.compile(render(template_candidate("sm90_splitk", params, 90), Problem(1, 1, 1, "fp16", "nn")))
     assert build.status == "ok", build.log[-3000:]
     assert {"cudal2_gemm", "cudal2_workspace_bytes"} <= set(build.exports)
@@ -98,6 +103,11 @@ TIMELINE_CASES = [  # several clusters a tile; one cluster; no cluster, the prod
       "fixup": "atomic"}, "fp16", "nn"),
     ({"block_m": "64", "block_n": "64", "stages": "4", "split_k": "8", "k_clusters": "16", "producer": "warp",
       "fixup": "atomic"}, "bf16", "nt"),
+    # the spread fixup, without a cluster and with one
+    ({"block_m": "128", "block_n": "128", "stages": "6", "split_k": "1", "k_clusters": "8", "producer": "warp",
+      "fixup": "spread"}, "fp16", "nn"),
+    ({"block_m": "64", "block_n": "64", "stages": "4", "split_k": "8", "k_clusters": "16", "producer": "warp",
+      "fixup": "spread"}, "bf16", "nt"),
 ]
 
 
