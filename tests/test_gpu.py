@@ -120,6 +120,12 @@ SM90_CONFIGS = [({}, v) for v in VARIANTS] + [
       "decomposition": "streamk", "reduction": "nondeterministic"}, ("bf16", "nt")),
     ({"tile_m": "256", "tile_n": "128", "swap_ab": "yes", "grid": "even", "raster_order": "along_m",
       "max_swizzle_size": "8"}, ("fp16", "nt")),
+    # Narrow GMMA widths along a small M (swapped): a 64x16 tile, a CTA a tile, and 64x32
+    # ping-pong; M = 1 and 8 fill part of one tile's columns, M = 4096 runs 128-256 tiles along it.
+    ({"kernel_schedule": "warpspecialized", "tile_m": "64", "tile_n": "16", "cluster_m": "1", "swap_ab": "yes"},
+     ("bf16", "nt")),
+    ({"kernel_schedule": "pingpong", "tile_m": "64", "tile_n": "32", "cluster_m": "1", "swap_ab": "yes"},
+     ("fp16", "nn")),
     # Each tile stored from registers during the next tile's first k-block (16-byte stores after
     # a quad transpose): 2x1 and 1x2 clusters, 128x256, 256x128 (two M repeats of the GMMA per
     # warpgroup) and 128x192 tiles, the even grid.

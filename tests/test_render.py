@@ -223,6 +223,17 @@ def test_swapped_operands_compute_c_transposed_into_cs_memory():
         template_candidate("sm90_cutlass", {**swapped, "splits": "4", "reduction": "parallel"}, 90)
 
 
+def test_narrow_tiles_run_along_a_small_m_only_with_operands_swapped():
+    """16- and 32-column tiles are GMMA's own shapes (no extended set), along M when swapped;
+    unswapped they would cut a wide N into many narrow tiles, and the space refuses them."""
+    narrow = {"kernel_schedule": "warpspecialized", "tile_m": "64", "tile_n": "16", "cluster_m": "1", "swap_ab": "yes"}
+    source = render(template_candidate("sm90_cutlass", narrow, 90), Problem(1, 1, 1, "bf16", "nt"))
+    assert "using TileShape    = Shape<Int<64>, Int<16>, Int<64>>;" in source
+    assert "ProblemShape{N, M, K, 1}" in source and "EXTENDED_MMA_SHAPES" not in source
+    with pytest.raises(Cudal2Error, match=re.escape("fails tile_n >= 64 or swap_ab == 'yes'")):
+        template_candidate("sm90_cutlass", {**narrow, "swap_ab": "no"}, 90)
+
+
 def test_binding_constraints_are_those_some_parameter_set_breaks_on_the_target(tmp_path):
     """A constraint reads parameters, derived values and the target; one that every value of
     the parameters it reads meets on a target cannot reject anything there."""
