@@ -400,11 +400,16 @@ class Template:
         return _jinja(self.path).render(**params, dtype=problem.dtype, layout=problem.layout)
 
 
+INCLUDE = "include"  # the templates' shared folder (no kernel.cu.j2, so not a template)
+
+
 @functools.cache
 def _jinja(folder: Path) -> jinja2.Template:
-    """A template folder's kernel.cu.j2, parsed once per process (renders are then ~0.1 ms)."""
+    """A template folder's kernel.cu.j2, parsed once per process (renders are then ~0.1 ms). It
+    may include its own files and those of the templates' shared folder, include/ (device code
+    two templates share, rendered into each source: a source stays whole)."""
     env = jinja2.Environment(
-        loader=jinja2.FileSystemLoader(folder),
+        loader=jinja2.FileSystemLoader([folder, folder.parent / INCLUDE]),
         undefined=jinja2.StrictUndefined,
         keep_trailing_newline=True,
     )

@@ -63,13 +63,20 @@ SMALL_SPREAD = {**SMALL_ATOMIC, "fixup": "spread"}
 LARGE_SPREAD = {**LARGE_ATOMIC, "fixup": "spread"}
 WIDE_SPREAD = {"block_m": "192", "block_n": "128", "stages": "4", "split_k": "2", "k_clusters": "8", "fixup": "spread"}
 SPREAD = (DIRECT_SPREAD, SMALL_SPREAD, LARGE_SPREAD, WIDE_SPREAD)
+# Without a split, the tile stored straight from the accumulators (16-byte row chunks after a
+# quad's transpose): two warpgroups on a 128x256 tile in two stages, and one on 64x64.
+WIDE_DIRECT = {"block_m": "128", "block_n": "256", "stages": "2", "split_k": "1", "k_clusters": "1",
+               "producer": "warp", "epilogue": "direct"}
+SMALL_DIRECT = {**SMALL_WARP, "split_k": "1", "k_clusters": "1", "epilogue": "direct"}
+DIRECT_EPILOGUE = (WIDE_DIRECT, SMALL_DIRECT)
 CASES = ([("64x64", SMALL, *v) for v in VARIANTS] + [("128x128", LARGE, *v) for v in VARIANTS]
          + [("64x64-warp", SMALL_WARP, *v) for v in VARIANTS] + [("128x128-warp", LARGE_WARP, *v) for v in VARIANTS]
          + [("64x64-atomic-direct", DIRECT_ATOMIC, *v) for v in VARIANTS]
          + [("64x64-atomic", SMALL_ATOMIC, *v) for v in VARIANTS] + [("128x128-atomic", LARGE_ATOMIC, *v) for v in VARIANTS]
          + [("64x64-spread-direct", DIRECT_SPREAD, *v) for v in VARIANTS]
          + [("64x64-spread", SMALL_SPREAD, *v) for v in VARIANTS] + [("128x128-spread", LARGE_SPREAD, *v) for v in VARIANTS]
-         + [("128x192-atomic", WIDE_ATOMIC, *v) for v in VARIANTS] + [("192x128-spread", WIDE_SPREAD, *v) for v in VARIANTS])
+         + [("128x192-atomic", WIDE_ATOMIC, *v) for v in VARIANTS] + [("192x128-spread", WIDE_SPREAD, *v) for v in VARIANTS]
+         + [("128x256-direct", WIDE_DIRECT, *v) for v in VARIANTS] + [("64x64-direct", SMALL_DIRECT, *v) for v in VARIANTS])
 
 
 @pytest.mark.parametrize("params, dtype, layout", [case[1:] for case in CASES], ids=["-".join(c[::2] + c[3:]) for c in CASES])
@@ -77,7 +84,7 @@ def test_gmma_split_k_passes_the_verifier_on_few_tile_long_k_shapes(compiler, pa
     kernel = build(compiler, params, dtype, layout)
     failures = verifier_failures(kernel, SHAPES, dtype, layout, seed=7)
     assert not failures, "\n".join(failures)
-    if params in ATOMIC:  # the sums live in static memory
+    if params in ATOMIC or params in DIRECT_EPILOGUE:  # the sums live in static memory; nothing to sum
         assert kernel.workspace_bytes(64, 64, 16384) == 0
         return
     # The split fills the GPU: one tile of a long K takes as many clusters of 8 as run at once,
@@ -124,3 +131,13 @@ def test_counters_reset_over_back_to_back_calls_graph_replays_and_other_shapes(c
         failures = split_k_reset_failures(build(compiler, params, "bf16", "nt"), seed=8,
                                           deterministic=params not in ATOMIC)
         assert not failures, "\n".join(failures)
+
+
+@pytest.mark.parametrize("params", DIRECT_EPILOGUE, ids=["128x256", "64x64"])
+def test_the_direct_epilogue_writes_rows_of_any_length_under_nt(compiler, params):
+    """Under nt, C's rows may be any length: where they are not whole 16-byte units (N % 8) the
+    direct epilogue writes an element at a time, past the edges of the tile nothing."""
+    kernel = build(compiler, params, "bf16", "nt")
+    failures = verifier_failures(kernel, ((100, 1001, 1024), (33, 37, 2056), (257, 250, 1032)), "bf16", "nt", seed=11)
+    assert not failures, "\n".join(failures)
+

@@ -208,6 +208,20 @@ def test_the_overlapped_epilogue_is_its_own_cooperative_kernel():
             template_candidate("sm90_cutlass", {"epilogue_schedule": "overlap", **wrong}, 90)
 
 
+def test_device_code_two_templates_share_is_rendered_into_each_source_whole():
+    """templates/include/ holds device code more than one template renders (the 16-byte store
+    of GMMA accumulators): it is no template itself, and each source that includes it carries
+    it whole, so that a source still compiles alone and its hash covers all of it."""
+    from cudal2.render import INCLUDE, load_templates
+
+    assert INCLUDE not in load_templates()
+    overlap = render(template_candidate("sm90_cutlass", {"epilogue_schedule": "overlap"}, 90), Problem(1, 1, 1, "fp16", "nn"))
+    direct = render(template_candidate("sm90_splitk", {"split_k": "1", "k_clusters": "1", "epilogue": "direct"}, 90),
+                    Problem(1, 1, 1, "fp16", "nn"))
+    for source in (overlap, direct):
+        assert "{%" not in source and source.count("__device__ __forceinline__ void transpose_quad(") == 1
+
+
 def test_swapped_operands_compute_c_transposed_into_cs_memory():
     swapped = {"kernel_schedule": "warpspecialized", "tile_n": "160", "cluster_m": "1", "swap_ab": "yes"}
     source = render(template_candidate("sm90_cutlass", swapped, 90), Problem(1, 1, 1, "fp16", "nn"))

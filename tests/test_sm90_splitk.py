@@ -5,6 +5,8 @@ imports and the shared memory its space declares."""
 
 from __future__ import annotations
 
+import re
+
 import pytest
 
 from cudal2.errors import Cudal2Error
@@ -63,6 +65,24 @@ def test_it_serves_few_tiles_with_a_long_k_on_rows_tma_can_read():
     assert not SPACE.admits(Problem(512, 512, 256))  # a short K
 
 
+def test_the_direct_epilogue_serves_a_cta_that_sums_with_no_other():
+    """epilogue=direct stores the accumulators straight to C through the quad transpose shared
+    with sm90_cutlass's overlapped epilogue (templates/include/): no partial tile in shared
+    memory, so its CTA holds the stages alone. A split refuses it; the default is untouched."""
+    direct = {"block_m": "128", "block_n": "256", "stages": "2", "split_k": "1", "k_clusters": "1", "epilogue": "direct"}
+    source = render(template_candidate("sm90_splitk", direct, 90), Problem(1, 1, 1, "fp16", "nn"))
+    assert "void transpose_quad(" in source and "store_tile(words, bm, bn" in source
+    assert "RED_LD" not in source and "constexpr int BARRIER_OFFSET = PIPE_BYTES;" in source
+    smem = {**direct, "epilogue": "smem"}
+    plain = render(template_candidate("sm90_splitk", smem, 90), Problem(1, 1, 1, "fp16", "nn"))
+    assert "transpose_quad" not in plain and "RED_LD" in plain
+    facts = lambda params: SPACE.facts(SPACE.resolve(params, 90, "sm90_splitk"), 90)["smem_bytes"]
+    assert facts(direct) == 2 * (128 + 256) * 64 * 2 + 2 * 8 * 2  # two stages and their barriers
+    assert facts(smem) == 128 * (256 + 4) * 4 + 2 * 8 * 2  # the fp32 partial tile outgrows them
+    with pytest.raises(Cudal2Error, match=re.escape("fails epilogue == 'smem' or")):
+        template_candidate("sm90_splitk", {**direct, "split_k": "2"}, 90)
+
+
 @pytest.mark.nvcc
 @pytest.mark.slow  # one CuTe TMA + GMMA build: about a minute of one core
 @pytest.mark.parametrize("producer, fixup, tile", [("thread", "workspace", 128), ("warp", "workspace", 128),
@@ -80,6 +100,16 @@ def test_multi_warpgroup_n_major_configuration_builds_for_sm90a(compiler, produc
     assert {"cudal2_gemm", "cudal2_workspace_bytes"} <= set(build.exports)
     assert forbidden_imports(build.imports) == []
     assert build.spill_bytes == 0
+    assert build.declared["dynamic_smem_bytes"] == SPACE.facts(SPACE.resolve(params, 90, "sm90_splitk"), 90)["smem_bytes"]
+
+
+@pytest.mark.nvcc
+@pytest.mark.slow  # one CuTe TMA + GMMA build: about a minute of one core
+def test_the_direct_epilogue_builds_in_the_shared_memory_its_space_declares(compiler):
+    params = {"block_m": "128", "block_n": "256", "stages": "2", "split_k": "1", "k_clusters": "1", "epilogue": "direct"}
+    build = compiler.compile(render(template_candidate("sm90_splitk", params, 90), Problem(1, 1, 1, "fp16", "nn")))
+    assert build.status == "ok", build.log[-3000:]
+    assert build.spill_bytes == 0 and forbidden_imports(build.imports) == []
     assert build.declared["dynamic_smem_bytes"] == SPACE.facts(SPACE.resolve(params, 90, "sm90_splitk"), 90)["smem_bytes"]
 
 
