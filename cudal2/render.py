@@ -352,11 +352,20 @@ class Space:
 
     def admits(self, problem: Problem) -> bool:
         """False where the [cost] table's `requires` rules the problem out whatever the
-        parameters (an expression of m, n, k and layout alone); True otherwise."""
+        parameters (an expression of m, n, k, layout and parameters: each combination of the
+        values of those it reads is tried); True otherwise, and where it reads derived values."""
         rule = self.cost.get("requires")
-        if rule is None or any(self.reads(rule)):
+        if rule is None:
             return True
-        return bool(_evaluate(rule, {"m": problem.m, "n": problem.n, "k": problem.k, "layout": problem.layout}))
+        params, derived = self.reads(rule)
+        if derived:
+            return True
+        names = sorted(params)
+        shape = {"m": problem.m, "n": problem.n, "k": problem.k, "layout": problem.layout}
+        return any(
+            _evaluate(rule, shape | dict(zip(names, values)))
+            for values in itertools.product(*(self.params[name].values for name in names))
+        )
 
     def cost_params(self) -> tuple[str, ...]:
         """The parameters the [cost] table reads (through derived values): two configurations

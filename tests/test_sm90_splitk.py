@@ -62,7 +62,28 @@ def test_it_serves_few_tiles_with_a_long_k_on_rows_tma_can_read():
     assert not SPACE.admits(Problem(64, 60, 16384, "fp16", "nn"))  # B's rows under nn
     assert SPACE.admits(Problem(64, 60, 16384, "fp16", "nt"))
     assert not SPACE.admits(Problem(4096, 4096, 4096))  # 1024 tiles of 128x128: not its regime
-    assert not SPACE.admits(Problem(512, 512, 256))  # a short K
+    assert not SPACE.admits(Problem(4096, 4096, 256))  # a short K over many tiles: sm90_cutlass's
+
+
+def test_a_short_k_on_a_small_output_takes_the_direct_epilogue_alone():
+    """Below K = 1024 a CTA a tile without a split, storing from registers, ran near the library
+    on small outputs (H200, grid S1 of the space's notes); the smem epilogue's pass is paid there
+    and the family is priced only with the direct one."""
+    from cudal2.cost import predict_us, recorded_device
+    from cudal2.leaderboard import shipped
+
+    device = recorded_device(shipped(None), "NVIDIA H200")
+    template = get_template("sm90_splitk")
+    problem = Problem(1024, 1024, 64)
+    assert SPACE.admits(problem)
+    one = {"block_m": 64, "block_n": 128, "stages": 2, "split_k": 1, "k_clusters": 1, "fixup": "workspace", "producer": "warp"}
+    assert predict_us(template, {**one, "epilogue": "direct"}, problem, device) < 10
+    assert predict_us(template, {**one, "epilogue": "smem"}, problem, device) == float("inf")
+    # Where both run (a long K without a split), the smem pass is priced: a microsecond a round
+    # per 100 columns.
+    long_k = Problem(4096, 128, 8192)
+    smem, direct = (predict_us(template, {**one, "epilogue": e}, long_k, device) for e in ("smem", "direct"))
+    assert 1.0 < smem - direct < 1.6
 
 
 def test_the_direct_epilogue_serves_a_cta_that_sums_with_no_other():
