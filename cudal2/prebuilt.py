@@ -112,7 +112,7 @@ def kernel_set(cc: int, measured: pd.DataFrame, regions: bool = True,
 
     def add(template: str, params: dict, problem: Problem, why: str) -> None:
         # On the problem that put it there: a template's `requires` may turn away others
-        # (sm90_splitk serves K >= 1024 only).
+        # (sm90_splitk serves K < 1024 with its direct epilogue alone).
         if templates[template].supports(problem, cc):
             candidate = Candidate.from_template(template, params)
             found.setdefault((str(candidate), problem.dtype, problem.layout),
