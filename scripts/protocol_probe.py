@@ -23,6 +23,15 @@ the protocol's calls per graph and with 21 (the independent check's 20), and beh
 protocol's with the graphs captured by torch on a torch stream (as the check captures), before
 CUPTI is loaded; then the kernel method.
 
+With `--timeline`, instead: where a call's time in the protocol's graph goes, for the `--top`
+best kernels of each row (each with its configuration) and the baselines. Each contestant's
+graph (and the neighbours' alone) is replayed with CUPTI recording every kernel, and each call
+splits into the gap from its neighbour's end to its first kernel's start (`launch`), its
+kernels (`call`, the union of their intervals), the gap to the next neighbour's start
+(`drain`) and that neighbour (`neighbour`, against its time in the neighbours' own graph);
+the kernel method's median beside them (`kernel`). A call that reads more in the graph than by
+CUPTI shows in which part.
+
 Prints one markdown table (median device us per variant) and the wall-clock window of each
 variant (for a clock log taken beside it, e.g. nvidia-smi -lms 50).
 """
@@ -149,11 +158,15 @@ def main() -> None:
     parser.add_argument("--graphs", action="store_true",
                         help="instead: the graph method behind each neighbour the protocol has had and none, "
                              "with the protocol's calls per graph and with 21, then the kernel method")
+    parser.add_argument("--timeline", action="store_true",
+                        help="instead: each call's time in the protocol's graph split into launch gap, kernels, "
+                             "drain and neighbour, from CUPTI's kernel records")
+    parser.add_argument("--top", type=int, default=1, help="the best kernels of each row to time (default 1)")
     args = parser.parse_args()
 
     board = Leaderboard(args.results)
     rows = board.read(protocol=None)
-    winners = best(rows[rows["kernel_us"].notna()], 1)  # the best of every protocol that has CUPTI times
+    winners = best(rows[rows["kernel_us"].notna()], args.top)  # the best of every protocol that has CUPTI times
     props = cupy.cuda.runtime.getDeviceProperties(0)
     compiler = Compiler(default_arch(props["major"] * 10 + props["minor"]), load_settings().cache_dir)
     stream = cupy.cuda.Stream(non_blocking=True)
@@ -166,6 +179,10 @@ def main() -> None:
             continue
         claim = found.iloc[0]
         run = contestants(problem, claim, board, compiler, stream)
+        for i, other in enumerate(found.iloc[1:].to_dict("records"), 2):  # --top: the runners-up as well
+            run[f"kernel {i}"] = contestants(problem, other, board, compiler, stream)["kernel"]
+        for i, row in enumerate(found.to_dict("records"), 1):
+            print(f"kernel{'' if i == 1 else f' {i}'}: {row['kernel']}", file=sys.stderr, flush=True)
         sets = InputSets(problem, measure.Numerics(problem.dtype), list(run), rng)
         calls = 3 * max(1, min(20, round(2000 / (float(claim["kernel_us"]) + 5) / 3)))
         cases.append((problem, run, sets, calls, {}))
@@ -180,7 +197,10 @@ def main() -> None:
         windows.append((label, t0, time.time()))
 
     compute, memory = compute_neighbour(stream), memory_neighbour(stream)
-    if args.leads:
+    if args.timeline:
+        with stream:
+            timeline_study(cases, stream, rng, variant)
+    elif args.leads:
         with stream:
             lead_study(cases, [int(x) for x in args.leads.split(",")], stream, rng, variant)
     elif args.graphs:
@@ -281,6 +301,56 @@ def graph_study(cases, stream, rng, variant, compute, memory, makers):
                                               rng, make=torch_graphs))
     timer = CuptiTimer()
     for problem, run, sets, calls, out in cases:
+        variant("kernel", out, lambda: kernel_medians(run, sets, timer, rng, sets.refresh))
+
+
+def call_timeline(records: list[tuple[int, int]], calls: int, replays: int) -> dict[str, float]:
+    """Medians over the calls of `replays` replays of a graph of `calls` x (neighbour, call), from
+    its kernels' CUPTI records (start, end in ns), in us: the gap from a neighbour's end to its
+    call's first kernel (`launch`), the call's kernels (`call`: the union of their intervals), the
+    gap to the next neighbour (`drain`), the neighbour (`neighbour`), and the replay's span per
+    call (`per call`). A neighbours-only graph (`records` of one kernel a call) gives the
+    neighbour and the gap between two of them (`drain`)."""
+    records = sorted(records)
+    per = len(records) // (calls * replays)  # kernels a call launches, its neighbour included
+    if per < 1 or len(records) != per * calls * replays:
+        raise RuntimeError(f"{len(records)} kernel records for {replays} replays of {calls} calls")
+    parts: dict[str, list[float]] = {"launch": [], "call": [], "drain": [], "neighbour": [], "per call": []}
+    for r in range(replays):
+        run = records[r * calls * per:(r + 1) * calls * per]
+        parts["per call"].append((run[-1][1] - run[0][0]) / calls / 1e3)
+        for c in range(calls):
+            neighbour, own = run[c * per], run[c * per + 1:(c + 1) * per]
+            parts["neighbour"].append((neighbour[1] - neighbour[0]) / 1e3)
+            after = run[(c + 1) * per][0] if c + 1 < calls else None
+            if own:
+                parts["launch"].append((own[0][0] - neighbour[1]) / 1e3)
+                parts["call"].append(measure.busy_time(own) / 1e3)
+                if after is not None:
+                    parts["drain"].append((after - max(e for _, e in own)) / 1e3)
+            elif after is not None:
+                parts["drain"].append((after - neighbour[1]) / 1e3)
+    return {part: statistics.median(v) for part, v in parts.items() if v}
+
+
+def timeline_study(cases, stream, rng, variant):
+    """`--timeline`: each contestant's graph replayed under CUPTI (call_timeline), then the
+    kernel method's median."""
+    timer = CuptiTimer()
+    replays = 5
+    for problem, run, sets, calls, out in cases:
+        for s in range(len(sets.a)):
+            for name, call in run.items():
+                call(sets.a[s], sets.b[s], sets.c[name][s])
+        replay = measure.graphs(list(run), run, sets, stream, calls)
+        for name in [None, *run]:
+            timer.collect()  # drop what came before
+            timer.time(lambda: [replay(name) for _ in range(replays)])
+            timer.cupti.activity_flush_all(1)
+            records, timer._records = timer._records, []
+            timer._windows = []
+            for part, us in call_timeline(records, calls, replays).items():
+                out.setdefault(f"graph: {part}", {})[name or "(neighbour)"] = us
         variant("kernel", out, lambda: kernel_medians(run, sets, timer, rng, sets.refresh))
 
 
