@@ -199,7 +199,7 @@ def main() -> None:
     compute, memory = compute_neighbour(stream), memory_neighbour(stream)
     if args.timeline:
         with stream:
-            timeline_study(cases, stream, rng, variant)
+            timeline_study(cases, stream, rng, variant, compute)
     elif args.leads:
         with stream:
             lead_study(cases, [int(x) for x in args.leads.split(",")], stream, rng, variant)
@@ -304,13 +304,14 @@ def graph_study(cases, stream, rng, variant, compute, memory, makers):
         variant("kernel", out, lambda: kernel_medians(run, sets, timer, rng, sets.refresh))
 
 
-def call_timeline(records: list[tuple[int, int]], calls: int, replays: int) -> dict[str, float]:
+def call_timeline(records: list[tuple[int, int]], calls: int, replays: int, neighboured: bool = True) -> dict[str, float]:
     """Medians over the calls of `replays` replays of a graph of `calls` x (neighbour, call), from
     its kernels' CUPTI records (start, end in ns), in us: the gap from a neighbour's end to its
     call's first kernel (`launch`), the call's kernels (`call`: the union of their intervals), the
     gap to the next neighbour (`drain`), the neighbour (`neighbour`), and the replay's span per
     call (`per call`). A neighbours-only graph (`records` of one kernel a call) gives the
-    neighbour and the gap between two of them (`drain`)."""
+    neighbour and the gap between two of them (`drain`). Without neighbours (`neighboured`
+    False), `launch` is the gap from the call before's last kernel to the call's first."""
     records = sorted(records)
     per = len(records) // (calls * replays)  # kernels a call launches, its neighbour included
     if per < 1 or len(records) != per * calls * replays:
@@ -320,7 +321,13 @@ def call_timeline(records: list[tuple[int, int]], calls: int, replays: int) -> d
         run = records[r * calls * per:(r + 1) * calls * per]
         parts["per call"].append((run[-1][1] - run[0][0]) / calls / 1e3)
         for c in range(calls):
-            neighbour, own = run[c * per], run[c * per + 1:(c + 1) * per]
+            group = run[c * per:(c + 1) * per]
+            if not neighboured:
+                parts["call"].append(measure.busy_time(group) / 1e3)
+                if c:
+                    parts["launch"].append((group[0][0] - max(e for _, e in run[(c - 1) * per:c * per])) / 1e3)
+                continue
+            neighbour, own = group[0], group[1:]
             parts["neighbour"].append((neighbour[1] - neighbour[0]) / 1e3)
             after = run[(c + 1) * per][0] if c + 1 < calls else None
             if own:
@@ -333,24 +340,26 @@ def call_timeline(records: list[tuple[int, int]], calls: int, replays: int) -> d
     return {part: statistics.median(v) for part, v in parts.items() if v}
 
 
-def timeline_study(cases, stream, rng, variant):
-    """`--timeline`: each contestant's graph replayed under CUPTI (call_timeline), then the
+def timeline_study(cases, stream, rng, variant, compute):
+    """`--timeline`: each contestant's graph replayed under CUPTI (call_timeline) behind the
+    protocol's neighbour, behind one that touches no memory (`compute`) and behind none, then the
     kernel method's median."""
     timer = CuptiTimer()
     replays = 5
+    neighbours = {"": measure.neighbour_kernel(stream), "compute, ": compute, "none, ": None}
     for problem, run, sets, calls, out in cases:
         for s in range(len(sets.a)):
             for name, call in run.items():
                 call(sets.a[s], sets.b[s], sets.c[name][s])
-        replay = measure.graphs(list(run), run, sets, stream, calls)
-        for name in [None, *run]:
-            timer.collect()  # drop what came before
-            timer.time(lambda: [replay(name) for _ in range(replays)])
-            timer.cupti.activity_flush_all(1)
-            records, timer._records = timer._records, []
-            timer._windows = []
-            for part, us in call_timeline(records, calls, replays).items():
-                out.setdefault(f"graph: {part}", {})[name or "(neighbour)"] = us
+        for label, neighbour in neighbours.items():
+            replay = measure.graphs(list(run), run, sets, stream, calls, neighbour or (lambda: None))
+            for name in [*([None] if neighbour else []), *run]:
+                timer.collect()  # drop what came before
+                timer.time(lambda: [replay(name) for _ in range(replays)])
+                timer.cupti.activity_flush_all(1)
+                records, timer._records, timer._windows = timer._records, [], []
+                for part, us in call_timeline(records, calls, replays, neighbour is not None).items():
+                    out.setdefault(f"graph, {label}{part}", {})[name or "(neighbour)"] = us
         variant("kernel", out, lambda: kernel_medians(run, sets, timer, rng, sets.refresh))
 
 
