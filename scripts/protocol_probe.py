@@ -30,7 +30,9 @@ splits into the gap from its neighbour's end to its first kernel's start (`launc
 kernels (`call`, the union of their intervals), the gap to the next neighbour's start
 (`drain`) and that neighbour (`neighbour`, against its time in the neighbours' own graph);
 the kernel method's median beside them (`kernel`). A call that reads more in the graph than by
-CUPTI shows in which part.
+CUPTI shows in which part. `--synthetic` adds, to the first row's contestants, kernels that differ
+in one property each (benchmarks/launch_probe.cu: threads, registers, setmaxnreg, shared memory,
+code size), built here with nvcc, each waiting about 2 us on every SM.
 
 Prints one markdown table (median device us per variant) and the wall-clock window of each
 variant (for a clock log taken beside it, e.g. nvidia-smi -lms 50).
@@ -122,6 +124,35 @@ def contestants(problem, claim, board, compiler, stream):
     return run
 
 
+# benchmarks/launch_probe.cu's kernels: (threads, dynamic shared memory bytes) of each.
+SYNTHETIC = {"base": (128, 0), "smem": (128, 220 << 10), "threads": (384, 0), "regs": (384, 0),
+             "setmaxnreg": (384, 0), "code": (128, 0), "all": (384, 220 << 10)}
+SYNTHETIC_CYCLES = 3500  # about 2 us at the H200's clock under load
+
+
+def synthetic_contestants(stream, arch: str) -> dict:
+    """run(a, b, c) of each kernel of benchmarks/launch_probe.cu (the inputs unused), one CTA an
+    SM, built with nvcc for `arch`."""
+    import subprocess
+    import tempfile
+
+    cubin = Path(tempfile.mkdtemp()) / "launch_probe.cubin"
+    subprocess.run(["nvcc", "-O3", "-cubin", f"-arch={arch}", "-o", str(cubin),
+                    str(ROOT / "benchmarks" / "launch_probe.cu")], check=True)
+    module = cupy.RawModule(path=str(cubin))
+    sms = cupy.cuda.Device().attributes["MultiProcessorCount"]
+    out = cupy.zeros(sms + 128, cupy.int32)
+    run = {}
+    for name, (threads, smem) in SYNTHETIC.items():
+        kernel = module.get_function(f"probe_{name}")
+        if smem:
+            kernel.max_dynamic_shared_size_bytes = smem
+        run[f"probe {name}"] = (lambda a, b, c, kernel=kernel, threads=threads, smem=smem:
+                                kernel((sms,), (threads,), (out, cupy.int64(SYNTHETIC_CYCLES), cupy.int32(0)),
+                                       shared_mem=smem, stream=stream))
+    return run
+
+
 def block_graphs(names, run, sets, stream, calls, neighbour):
     """measure.graphs, but each set's calls consecutive (calls/3 on set 0, then set 1, ...)."""
     class Blocked:
@@ -162,6 +193,8 @@ def main() -> None:
                         help="instead: each call's time in the protocol's graph split into launch gap, kernels, "
                              "drain and neighbour, from CUPTI's kernel records")
     parser.add_argument("--top", type=int, default=1, help="the best kernels of each row to time (default 1)")
+    parser.add_argument("--synthetic", action="store_true",
+                        help="with --timeline: benchmarks/launch_probe.cu's kernels as contestants of the first row")
     args = parser.parse_args()
 
     board = Leaderboard(args.results)
@@ -183,6 +216,8 @@ def main() -> None:
             run[f"kernel {i}"] = contestants(problem, other, board, compiler, stream)["kernel"]
         for i, row in enumerate(found.to_dict("records"), 1):
             print(f"kernel{'' if i == 1 else f' {i}'}: {row['kernel']}", file=sys.stderr, flush=True)
+        if args.synthetic and not cases:
+            run.update(synthetic_contestants(stream, compiler.arch))
         sets = InputSets(problem, measure.Numerics(problem.dtype), list(run), rng)
         calls = 3 * max(1, min(20, round(2000 / (float(claim["kernel_us"]) + 5) / 3)))
         cases.append((problem, run, sets, calls, {}))
