@@ -32,7 +32,8 @@ kernels (`call`, the union of their intervals), the gap to the next neighbour's 
 the kernel method's median beside them (`kernel`). A call that reads more in the graph than by
 CUPTI shows in which part. `--synthetic` adds, to the first row's contestants, kernels that differ
 in one property each (benchmarks/launch_probe.cu: threads, registers, setmaxnreg, shared memory,
-code size), built here with nvcc, each waiting about 2 us on every SM.
+code size, a TMA load through a descriptor in the kernel's parameters or in global memory), built
+here with nvcc, each waiting about 2 us on every SM.
 
 Prints one markdown table (median device us per variant) and the wall-clock window of each
 variant (for a clock log taken beside it, e.g. nvidia-smi -lms 50).
@@ -124,33 +125,34 @@ def contestants(problem, claim, board, compiler, stream):
     return run
 
 
-# benchmarks/launch_probe.cu's kernels: (threads, dynamic shared memory bytes) of each.
-SYNTHETIC = {"base": (128, 0), "smem": (128, 220 << 10), "threads": (384, 0), "regs": (384, 0),
-             "setmaxnreg": (384, 0), "code": (128, 0), "all": (384, 220 << 10)}
 SYNTHETIC_CYCLES = 3500  # about 2 us at the H200's clock under load
 
 
 def synthetic_contestants(stream, arch: str) -> dict:
     """run(a, b, c) of each kernel of benchmarks/launch_probe.cu (the inputs unused), one CTA an
-    SM, built with nvcc for `arch`."""
+    SM, launched through its library, built here with nvcc for `arch`."""
+    import ctypes
     import subprocess
     import tempfile
 
-    cubin = Path(tempfile.mkdtemp()) / "launch_probe.cubin"
-    subprocess.run(["nvcc", "-O3", "-cubin", f"-arch={arch}", "-o", str(cubin),
+    library = Path(tempfile.mkdtemp()) / "launch_probe.so"
+    subprocess.run(["nvcc", "-O3", "-shared", "-Xcompiler", "-fPIC", f"-arch={arch}", "-o", str(library),
                     str(ROOT / "benchmarks" / "launch_probe.cu")], check=True)
-    module = cupy.RawModule(path=str(cubin))
-    sms = cupy.cuda.Device().attributes["MultiProcessorCount"]
-    out = cupy.zeros(sms + 128, cupy.int32)
-    run = {}
-    for name, (threads, smem) in SYNTHETIC.items():
-        kernel = module.get_function(f"probe_{name}")
-        if smem:
-            kernel.max_dynamic_shared_size_bytes = smem
-        run[f"probe {name}"] = (lambda a, b, c, kernel=kernel, threads=threads, smem=smem:
-                                kernel((sms,), (threads,), (out, cupy.int64(SYNTHETIC_CYCLES), cupy.int32(0)),
-                                       shared_mem=smem, stream=stream))
-    return run
+    lib = ctypes.CDLL(str(library))
+    lib.probe_setup.argtypes, lib.probe_setup.restype = [ctypes.c_longlong], ctypes.c_int
+    lib.probe_name.argtypes, lib.probe_name.restype = [ctypes.c_int], ctypes.c_char_p
+    lib.probe_launch.argtypes, lib.probe_launch.restype = [ctypes.c_int, ctypes.c_void_p], ctypes.c_int
+    count = lib.probe_setup(SYNTHETIC_CYCLES)
+    if count < 0:
+        raise RuntimeError(f"launch_probe set-up failed ({count})")
+
+    def launcher(i: int):
+        def run(a, b, c) -> None:
+            if lib.probe_launch(i, stream.ptr) != 0:
+                raise RuntimeError(f"launch_probe kernel {lib.probe_name(i).decode()} failed to launch")
+        return run
+
+    return {f"probe {lib.probe_name(i).decode()}": launcher(i) for i in range(count)}
 
 
 def block_graphs(names, run, sets, stream, calls, neighbour):

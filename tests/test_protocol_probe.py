@@ -72,27 +72,52 @@ def _text_sizes(cubin: Path) -> dict[str, int]:
     return {name(h)[len(".text."):]: h[5] for h in headers if name(h).startswith(".text.")}
 
 
+EXPECTED = ["base", "smem", "threads", "regs", "setmaxnreg", "code", "all", "tma param", "tma global"]
+
+
 @pytest.mark.nvcc
 def test_each_launch_probe_kernel_differs_from_the_base_in_the_property_it_stands_for(tmp_path):
     """The synthetic contestants of --timeline --synthetic: if ptxas stopped holding 168 registers
     (the launch-time register file of CUTLASS's persistent kernels) or the straight-line code
     shrank, the probe would compare kernels alike."""
-    probe = _probe()
-    cubin = tmp_path / "launch_probe.cubin"
-    built = subprocess.run([shutil.which("nvcc"), "-O3", "-cubin", "-arch=sm_90a", "-Xptxas", "-v", "-o", str(cubin),
-                            str(ROOT / "benchmarks" / "launch_probe.cu")], capture_output=True, text=True)
+    import ctypes
+
+    source, library, cubin = ROOT / "benchmarks" / "launch_probe.cu", tmp_path / "probe.so", tmp_path / "probe.cubin"
+    nvcc = shutil.which("nvcc")
+    built = subprocess.run([nvcc, "-O3", "-shared", "-Xcompiler", "-fPIC", "-arch=sm_90a", "-Xptxas", "-v",
+                            "-o", str(library), str(source)], capture_output=True, text=True)
     assert built.returncode == 0, built.stderr[-3000:]
+    lib = ctypes.CDLL(str(library))
+    lib.probe_name.restype = ctypes.c_char_p
+    assert [lib.probe_name(i).decode() for i in range(len(EXPECTED))] == EXPECTED and lib.probe_name(len(EXPECTED)) is None
     usage = {}
     for block in built.stderr.split("Compiling entry function")[1:]:
         kernel = re.match(r" '(\w+)'", block).group(1)
         usage[kernel] = (int(re.search(r"Used (\d+) registers", block).group(1)),
                          int(m.group(1)) if (m := re.search(r"(\d+) bytes cumulative stack", block)) else 0)
-    assert set(usage) == {f"probe_{name}" for name in probe.SYNTHETIC}
+    assert set(usage) == {"probe_" + name.replace(" ", "_") for name in EXPECTED}
     for name in ("regs", "setmaxnreg", "all"):
         assert usage[f"probe_{name}"] == (168, 0), name  # the whole register file for 384 threads, nothing spilled
-    for name in ("base", "smem", "threads", "code"):
+    for name in ("base", "smem", "threads", "code", "tma_param", "tma_global"):
         assert usage[f"probe_{name}"][0] <= 32, name
+    subprocess.run([nvcc, "-O3", "-cubin", "-arch=sm_90a", "-o", str(cubin), str(source)], check=True)
     sizes = _text_sizes(cubin)
     assert sizes["probe_code"] >= 40 << 10 and sizes["probe_base"] < 2 << 10
-    assert probe.SYNTHETIC["smem"][1] == probe.SYNTHETIC["all"][1] >= 200 << 10
-    assert probe.SYNTHETIC["base"][0] == 128 and probe.SYNTHETIC["threads"][0] == probe.SYNTHETIC["regs"][0] == 384
+
+
+@pytest.mark.gpu
+def test_every_launch_probe_kernel_runs():
+    """Each synthetic contestant launches and completes on this GPU (its TMA load included)."""
+    import cupy
+
+    from cudal2.environment import default_arch
+
+    props = cupy.cuda.runtime.getDeviceProperties(0)
+    if props["major"] * 10 + props["minor"] != 90:
+        pytest.skip("the launch probe is built for sm_90a")
+    stream = cupy.cuda.Stream(non_blocking=True)
+    run = _probe().synthetic_contestants(stream, default_arch(90))
+    assert list(run) == [f"probe {name}" for name in EXPECTED]
+    for call in run.values():
+        call(None, None, None)
+    stream.synchronize()
