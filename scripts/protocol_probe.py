@@ -112,14 +112,16 @@ def paused(timer):
             timer.cupti.activity_enable(getattr(timer.cupti.ActivityKind, kind))
 
 
-def contestants(problem, claim, board, compiler, stream):
-    kernel = Kernel(str(compiler.compile(board.source(claim["source_hash"])).library))
+def contestants(problem, claims, board, compiler, stream):
+    """run(a, b, c) of each claimed kernel ("kernel", then "kernel 2", ... in the claims' order),
+    cuBLASLt (the heuristic's first algorithm) and torch.matmul."""
+    libraries = {"kernel" if i == 1 else f"kernel {i}": Kernel(str(compiler.compile(board.source(claim["source_hash"])).library))
+                 for i, claim in enumerate(claims, 1)}
     lt = CublasLt(build_baselines(compiler, problem)["cuBLASLt"])
     lt.algorithms(problem)
-    workspace = {name: cupy.empty(max(1, k.workspace_bytes(problem.m, problem.n, problem.k)), cupy.uint8)
-                 for name, k in (("kernel", kernel), ("cuBLASLt", lt.kernel))}
-    run = {"kernel": abi_call(kernel, workspace["kernel"], problem, stream, "kernel"),
-           "cuBLASLt": abi_call(lt.kernel, workspace["cuBLASLt"], problem, stream, "cuBLASLt")}
+    libraries["cuBLASLt"] = lt.kernel
+    run = {name: abi_call(k, cupy.empty(max(1, k.workspace_bytes(problem.m, problem.n, problem.k)), cupy.uint8),
+                          problem, stream, name) for name, k in libraries.items()}
     if (torch_run := torch_gemm(problem, stream)) is not None:
         run["torch.matmul"] = torch_run
     return run
@@ -213,17 +215,16 @@ def main() -> None:
         if found.empty:
             continue
         claim = found.iloc[0]
-        run = contestants(problem, claim, board, compiler, stream)
-        for i, other in enumerate(found.iloc[1:].to_dict("records"), 2):  # --top: the runners-up as well
-            run[f"kernel {i}"] = contestants(problem, other, board, compiler, stream)["kernel"]
-        for i, row in enumerate(found.to_dict("records"), 1):
+        claims = found.to_dict("records")  # the best, and with --top the runners-up
+        run = contestants(problem, claims, board, compiler, stream)
+        for i, row in enumerate(claims, 1):
             print(f"kernel{'' if i == 1 else f' {i}'}: {row['kernel']}", file=sys.stderr, flush=True)
         if args.synthetic and not cases:
             run.update(synthetic_contestants(stream, compiler.arch))
         sets = InputSets(problem, measure.Numerics(problem.dtype), list(run), rng)
         calls = 3 * max(1, min(20, round(2000 / (float(claim["kernel_us"]) + 5) / 3)))
         cases.append((problem, run, sets, calls, {}))
-        makers[problem] = lambda on, problem=problem, claim=claim: contestants(problem, claim, board, compiler, on)
+        makers[problem] = lambda on, problem=problem, claims=claims: contestants(problem, claims, board, compiler, on)
         print(f"{problem}: {claim['kernel']}, {calls} calls per graph", file=sys.stderr, flush=True)
 
     windows = []
