@@ -378,11 +378,25 @@ def call_timeline(records: list[tuple[int, int]], calls: int, replays: int, neig
     return {part: statistics.median(v) for part, v in parts.items() if v}
 
 
+class NamingTimer(CuptiTimer):
+    """CuptiTimer that also keeps each kernel record's name (by its start and end)."""
+
+    def __init__(self):
+        self.names: dict[tuple[int, int], str] = {}
+        super().__init__()
+
+    def _completed(self, activities) -> None:
+        for a in activities:
+            self._records.append((a.start, a.end))
+            self.names[(a.start, a.end)] = getattr(a, "name", "") or ""
+
+
 def timeline_study(cases, stream, rng, variant, compute):
     """`--timeline`: each contestant's graph replayed under CUPTI (call_timeline) behind the
     protocol's neighbour, behind one that touches no memory (`compute`) and behind none, then the
-    kernel method's median (its lead calls as the protocol's)."""
-    timer = CuptiTimer()
+    kernel method's median (its lead calls as the protocol's). The kernels each contestant's
+    calls ran are named on stderr (which library kernel a baseline ran, say)."""
+    timer = NamingTimer()
     replays = 5
     neighbours = {"": measure.neighbour_kernel(stream), "compute, ": compute, "none, ": None}
     for problem, run, sets, calls, out in cases:
@@ -396,6 +410,9 @@ def timeline_study(cases, stream, rng, variant, compute):
                 timer.time(lambda: [replay(name) for _ in range(replays)])
                 timer.cupti.activity_flush_all(1)
                 records, timer._records, timer._windows = timer._records, [], []
+                if not label and name is not None:  # behind the protocol's neighbour: what the call ran
+                    ran = sorted({timer.names.get(r, "") for r in records} - {"cudal2_neighbour"})
+                    print(f"{problem} {name}: {', '.join(ran)}", file=sys.stderr, flush=True)
                 for part, us in call_timeline(records, calls, replays, neighbour is not None).items():
                     out.setdefault(f"graph, {label}{part}", {})[name or "(neighbour)"] = us
         # The protocol's kernel method: each timed call behind calls of its own on the other sets.
