@@ -157,6 +157,13 @@ def synthetic_contestants(stream, arch: str) -> dict:
     return {f"probe {lib.probe_name(i).decode()}": launcher(i) for i in range(count)}
 
 
+def warm(run, sets) -> None:
+    """Every contestant called once on every set (module load, handles, autotuned plans)."""
+    for s in range(len(sets.a)):
+        for name, call in run.items():
+            call(sets.a[s], sets.b[s], sets.c[name][s])
+
+
 def block_graphs(names, run, sets, stream, calls, neighbour):
     """measure.graphs, but each set's calls consecutive (calls/3 on set 0, then set 1, ...)."""
     class Blocked:
@@ -316,9 +323,7 @@ def graph_study(cases, stream, rng, variant, compute, memory, makers):
                   "grid-stride 512 KB": memory_neighbour(stream, 1 << 17), "grid-stride 8 MB": memory,
                   "compute 6 us": compute, "none": lambda: None}
     for problem, run, sets, calls, out in cases:
-        for s in range(len(sets.a)):
-            for name, call in run.items():
-                call(sets.a[s], sets.b[s], sets.c[name][s])
+        warm(run, sets)
         for label, neighbour in neighbours.items():
             variant(f"graph, {label}, {calls} calls", out,
                     lambda: graph_medians(run, sets, stream, calls, neighbour, rng))
@@ -379,16 +384,22 @@ def call_timeline(records: list[tuple[int, int]], calls: int, replays: int, neig
 
 
 class NamingTimer(CuptiTimer):
-    """CuptiTimer that also keeps each kernel record's name (by its start and end)."""
+    """CuptiTimer that also keeps each kernel record's name (by its start and end), and hands
+    over the raw records (`records`) as well as the timed windows' totals."""
 
     def __init__(self):
         self.names: dict[tuple[int, int], str] = {}
         super().__init__()
 
     def _completed(self, activities) -> None:
-        for a in activities:
-            self._records.append((a.start, a.end))
-            self.names[(a.start, a.end)] = getattr(a, "name", "") or ""
+        super()._completed(activities)
+        self.names.update(((a.start, a.end), getattr(a, "name", "") or "") for a in activities)
+
+    def records(self) -> list[tuple[int, int]]:
+        """The (start, end) of every activity since the last call (or collect), flushed first."""
+        self.cupti.activity_flush_all(1)
+        records, self._records, self._windows = self._records, [], []
+        return records
 
 
 def timeline_study(cases, stream, rng, variant, compute):
@@ -400,16 +411,14 @@ def timeline_study(cases, stream, rng, variant, compute):
     replays = 5
     neighbours = {"": measure.neighbour_kernel(stream), "compute, ": compute, "none, ": None}
     for problem, run, sets, calls, out in cases:
-        for s in range(len(sets.a)):
-            for name, call in run.items():
-                call(sets.a[s], sets.b[s], sets.c[name][s])
+        warm(run, sets)
         for label, neighbour in neighbours.items():
             replay = measure.graphs(list(run), run, sets, stream, calls, neighbour or (lambda: None))
             for name in [*([None] if neighbour else []), *run]:
-                timer.collect()  # drop what came before
-                timer.time(lambda: [replay(name) for _ in range(replays)])
-                timer.cupti.activity_flush_all(1)
-                records, timer._records, timer._windows = timer._records, [], []
+                timer.records()  # drop what came before
+                for _ in range(replays):
+                    replay(name)  # (waits for the replay's end)
+                records = timer.records()
                 if not label and name is not None:  # behind the protocol's neighbour: what the call ran
                     ran = sorted({timer.names.get(r, "") for r in records} - {"cudal2_neighbour"})
                     print(f"{problem} {name}: {', '.join(ran)}", file=sys.stderr, flush=True)
@@ -422,9 +431,7 @@ def timeline_study(cases, stream, rng, variant, compute):
 def variant_study(cases, stream, rng, variant, compute, memory):
     with stream:
         for problem, run, sets, calls, out in cases:  # before CUPTI is enabled in this process
-            for s in range(len(sets.a)):
-                for name, call in run.items():
-                    call(sets.a[s], sets.b[s], sets.c[name][s])
+            warm(run, sets)
             variant("graph, no CUPTI", out, lambda: graph_medians(run, sets, stream, calls, memory, rng))
             variant("graph, no CUPTI, compute", out, lambda: graph_medians(run, sets, stream, calls, compute, rng))
         timer = CuptiTimer()

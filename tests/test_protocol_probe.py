@@ -47,7 +47,7 @@ def test_the_timeline_splits_each_call_into_launch_kernels_drain_and_neighbour()
     alone = probe.call_timeline(_graph_records(2, 3, 0, 0, [(0, 1000)], 400), calls=3, replays=2, neighboured=False)
     assert alone["launch"] == pytest.approx(0.4) and alone["call"] == pytest.approx(1.0) and "neighbour" not in alone
     # The neighbours' own graph: the neighbour and the gap between two of them.
-    only = probe.call_timeline([r for r in _graph_records(2, 3, 2000, 0, [(0, 1)], 499)][::2], calls=3, replays=2)
+    only = probe.call_timeline(_graph_records(2, 3, 2000, 0, [(0, 1)], 499)[::2], calls=3, replays=2)
     assert only["neighbour"] == pytest.approx(2.0) and only["drain"] == pytest.approx(0.5) and "call" not in only
 
 
