@@ -246,6 +246,16 @@ class SearchProposer:
         seen = tried(history)
         correction = self._correction(problem, history)
 
+        def launched(name: str, params: dict[str, Any]) -> tuple[str, str]:
+            # What the configuration runs on this problem (Space.launched): caps above its need
+            # launch alike, and one measurement of them tells all.
+            space = self.templates[name].space
+            return name, json.dumps(space.launched(params, self.device["cc"], problem, self.device["sm_count"]),
+                                    sort_keys=True)
+
+        ran = {launched(row["template"], params) for row in history
+               if row.get("template") in self.templates and (params := recorded_params(row, self.templates))}
+
         def penalty(name: str, params: dict[str, Any]) -> float:
             # Looked up once per configuration and run (a lookup renders the source): a build
             # cached since then is one this run compiled, and so measured, or about to be.
@@ -261,14 +271,16 @@ class SearchProposer:
 
         picks: list[Candidate] = []
 
-        def fresh(name: str, params: dict[str, Any]) -> bool:  # neither measured nor outside `within`
+        def fresh(name: str, params: dict[str, Any]) -> bool:  # neither measured (nor its launch) nor outside `within`
             key = (name, Candidate.from_template(name, params).params_json)
-            return key not in seen and (self.within is None or key in self.within)
+            return (key not in seen and launched(name, params) not in ran
+                    and (self.within is None or key in self.within))
 
         def take(name: str, params: dict[str, Any]) -> None:
             if len(picks) < n and fresh(name, params):
                 candidate = Candidate.from_template(name, params)
                 seen.add((name, candidate.params_json))
+                ran.add(launched(name, params))
                 picks.append(candidate)
 
         measured, near = self._near(history, fresh, score)

@@ -126,6 +126,9 @@ class Space:
     derived: dict[str, str]
     constraints: tuple[str, ...]
     cost: dict[str, str]
+    # [launch]: parameter -> the value that launches the same kernel work on a problem (a cap
+    # above what the problem can use); see launched().
+    launch: dict[str, str] = field(default_factory=dict)
     compile_s: float = 60.0  # nvcc seconds (one core) of one configuration: the search's price of a build
     # Valid configurations per compute capability, as value tuples in parameter order: the
     # enumeration is the larger part of ranking a space (seconds), and the same for every problem.
@@ -141,6 +144,8 @@ class Space:
             name: Param(name, tuple(spec["values"]), spec["default"], spec.get("help", ""), spec.get("before"))
             for name, spec in doc.get("params", {}).items()
         }
+        if strays := sorted(set(doc.get("launch", {})) - set(params)):
+            raise Cudal2Error(f"{path}: [launch] names {', '.join(strays)}, which are not parameters of the space")
         return cls(
             description=doc.get("description", ""),
             min_cc=doc.get("min_cc", 0),
@@ -151,6 +156,7 @@ class Space:
             derived=dict(doc.get("derived", {})),
             constraints=tuple(doc.get("constraints", ())),
             cost=dict(doc.get("cost", {})),
+            launch=dict(doc.get("launch", {})),
             compile_s=float(doc.get("compile_s", 60.0)),
         )
 
@@ -213,6 +219,16 @@ class Space:
         # kernel that swaps the operands cuts N by tile_m and M by tile_n).
         inputs.setdefault("tiles", -(-problem.m // int(inputs["tile_m"])) * -(-problem.n // int(inputs["tile_n"])))
         return inputs
+
+    def launched(self, params: dict[str, Any], cc: int, problem: Problem, sm_count: int) -> dict[str, Any]:
+        """`params` with each parameter of the [launch] table replaced by the value that runs the
+        same kernel work on `problem`: two configurations whose launched parameters agree are one
+        measurement on it (caps above the problem's need), so the search takes one of them."""
+        if not self.launch:
+            return params
+        names = {**self.facts(params, cc), "m": problem.m, "n": problem.n, "k": problem.k,
+                 "layout": problem.layout, "sm_count": sm_count}
+        return {**params, **{name: _evaluate(expr, names) for name, expr in self.launch.items()}}
 
     def violations(self, params: dict[str, Any], cc: int) -> list[str]:
         names = self.facts(params, cc)

@@ -1402,3 +1402,30 @@ def test_each_row_names_the_proposer_that_made_it_and_the_run_counts_them(tmp_pa
     assert sorted(kernels["proposer"]) == ["scripted", "search", "search"]
     assert {name: c["candidates"] for name, c in out.contributions.items()} == {"scripted": 1, "search": 2}
     assert all(c["ok"] == c["candidates"] and c["best_speedup"] > 0 for c in out.contributions.values())
+
+
+def test_the_search_measures_one_of_the_caps_that_launch_alike():
+    # sm90_splitk's k_clusters is a cap: at 4096x128x12288 (32 tiles of 128x128, no cluster) a
+    # launch takes 132 // 32 = 4 clusters a tile at most, so caps of 4 to 128 run the same kernel
+    # work (atomic and spread: the same code too). The model prices them alike and put six of
+    # them in its first ten; a batch now takes one, and a neighbour's move to a larger cap than
+    # the one measured is no new value.
+    splitk = get_template("sm90_splitk")
+    p = Problem(4096, 128, 12288)
+    search = SearchProposer(H200, templates={"sm90_splitk": splitk})
+    picks = search.propose(p, [], 16)
+    launched = [json.dumps(splitk.space.launched(c.param_dict, 90, p, 132), sort_keys=True) for c in picks]
+    assert len(set(launched)) == len(picks) == 16
+    best = {"block_m": 128, "block_n": 128, "stages": 6, "producer": "warp", "split_k": 1, "k_clusters": 4,
+            "epilogue": "smem", "fixup": "spread"}
+    assert splitk.space.launched({**best, "k_clusters": 128}, 90, p, 132) == best
+    cand = Candidate.from_template("sm90_splitk", best)
+    history = [{"status": "ok", "template": "sm90_splitk", "params": cand.params_json, "offline_us": 31.0, "kernel": "b"}]
+    later = search.propose(p, history, 16)
+    caps = [c.param_dict["k_clusters"] for c in later if c.param_dict == {**best, "k_clusters": c.param_dict["k_clusters"]}]
+    assert caps == [2]  # the move below the bound; none above it
+    # Where the cap is below the bound, or sizes the source (the workspace fixup's last cluster
+    # loads K_CLUSTERS partials a float4), the configurations stay apart.
+    assert splitk.space.launched({**best, "k_clusters": 2}, 90, p, 132)["k_clusters"] == 2
+    workspace = {**best, "fixup": "workspace", "k_clusters": 8}
+    assert splitk.space.launched(workspace, 90, p, 132) == workspace

@@ -273,3 +273,30 @@ default = 1
     assert space.binding(90) == ("bytes <= max_smem",)
     assert space.binding(80) == ("split == 1 or cc >= 90", "bytes <= max_smem")
     assert space.reads("bytes <= max_smem") == ({"tile", "depth"}, {"bytes"})
+
+
+def test_a_launch_table_maps_caps_to_what_the_problem_runs_and_names_parameters_only(tmp_path):
+    """[launch] gives, per parameter, the value that runs the same work on a problem (a cap
+    above the problem's need); a key that is no parameter is a mistake in the file."""
+    from cudal2.render import Space
+
+    path = tmp_path / "space.toml"
+    text = """
+[params.cap]
+values = [1, 2, 4, 8]
+default = 1
+[params.tile]
+values = [64, 128]
+default = 64
+[launch]
+cap = "min(cap, max(1, sm_count // ((m + tile - 1) // tile)))"
+"""
+    path.write_text(text)
+    space = Space.load(path)
+    # 1024 rows in 64-row tiles: 16 of them, 132 // 16 = 8 fit; in 128-row tiles 8, 16 fit
+    assert space.launched({"cap": 8, "tile": 64}, 90, Problem(1024, 64, 64), 132) == {"cap": 8, "tile": 64}
+    assert space.launched({"cap": 8, "tile": 64}, 90, Problem(4096, 64, 64), 132) == {"cap": 2, "tile": 64}
+    assert space.launched({"cap": 1, "tile": 128}, 90, Problem(4096, 64, 64), 132) == {"cap": 1, "tile": 128}
+    path.write_text(text + 'tiles = "1"\n')
+    with pytest.raises(Cudal2Error, match=r"\[launch\] names tiles, which are not parameters"):
+        Space.load(path)
