@@ -54,7 +54,9 @@ def summary(rows: pd.DataFrame) -> list[str]:
 
 
 def shapes(rows: pd.DataFrame, name: str) -> list[str]:
-    part = rows[rows["regime"] == name].sort_values("speedup_offline")
+    # worst first; equal speedups (1.000 exactly: the kernel is the library's call) by shape, so
+    # that the page does not depend on the order the rows were read in
+    part = rows[rows["regime"] == name].sort_values(["speedup_offline", "m", "n", "k", "dtype", "layout"], kind="stable")
     lines = [f"### {name} ({len(part)})", "",
              "| shape | dtype | layout | speedup | kernel us | library us | floor us | kernel / floor | template "
              "| kernels measured |",
