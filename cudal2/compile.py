@@ -323,6 +323,13 @@ class Compiler:
             shutil.rmtree(work, ignore_errors=True)
             raise
         seconds = time.monotonic() - start
+        if returncode < 0 or "died due to signal" in log:
+            # nvcc, or one of its stages, was stopped from outside (a killed prebuild, the machine
+            # short of memory): no verdict on the source, so nothing is cached and a later run
+            # compiles it again (a cached failure would refuse it for good).
+            shutil.rmtree(work, ignore_errors=True)
+            how = f"signal {-returncode}" if returncode < 0 else "a signal to one of its stages"
+            return Build(key, "compile_error", None, f"nvcc was stopped by {how}; not cached\n{log}", seconds)
         build = Build(key, "ok" if returncode == 0 else "compile_error", None, log, seconds,
                       **parse_ptxas(log) if returncode == 0 else {})
         if build.status == "ok":

@@ -135,6 +135,23 @@ def test_timeout_is_a_result_not_an_exception(tmp_path):
     assert compiler.lookup("// any source\n") is None  # a timeout is not cached
 
 
+@pytest.mark.parametrize("script", ["kill -9 $$",
+                                    "echo \"nvcc error   : 'cicc' died due to signal 9 (Kill signal)\"; exit 255"],
+                         ids=["nvcc", "a stage"])
+def test_a_compile_stopped_by_a_signal_is_not_cached(tmp_path, monkeypatch, script):
+    # A prebuild stopped with its nvcc processes killed had cached their sources as compile
+    # errors with an empty log: every later run refused those kernels without compiling them.
+    nvcc = tmp_path / "nvcc"
+    nvcc.write_text(f"#!/bin/sh\n{script}\n")
+    nvcc.chmod(0o755)
+    monkeypatch.setattr("cudal2.compile.find_nvcc", lambda: str(nvcc))
+    compiler = Compiler("sm_90a", tmp_path / "cache")
+    build = compiler.compile("// any source\n")
+    assert build.status == "compile_error" and "not cached" in build.log
+    assert compiler.lookup("// any source\n") is None
+    assert not list((tmp_path / "cache" / "kernels").glob("*/*"))  # nor left half-made
+
+
 def test_cache_key_names_the_target():
     assert cache_key("x", "sm_90a") != cache_key("x", "sm_80")
     assert cache_key("x", "sm_90a") != cache_key("y", "sm_90a")
