@@ -141,3 +141,20 @@ def test_the_direct_epilogue_writes_rows_of_any_length_under_nt(compiler, params
     failures = verifier_failures(kernel, ((100, 1001, 1024), (33, 37, 2056), (257, 250, 1032)), "bf16", "nt", seed=11)
     assert not failures, "\n".join(failures)
 
+
+
+# schedule=persistent: one wave of CTAs walking the tiles, each tile stored from registers while
+# the producer warp loads the next one's K tiles.
+PERSISTENT = ({**WIDE_DIRECT, "schedule": "persistent"}, {**SMALL_DIRECT, "schedule": "persistent"})
+
+
+@pytest.mark.parametrize("params", PERSISTENT, ids=["128x256", "64x64"])
+@pytest.mark.parametrize("dtype, layout", VARIANTS)
+def test_persistent_ctas_walk_more_tiles_than_they_hold(compiler, params, dtype, layout):
+    """More tiles than the wave holds (4096x4096 in 64x64 tiles: 4,096 over a few hundred CTAs),
+    K of one, two and a partial last K tile, edges cut by the tile: the ring's stages and their
+    phases run on across a CTA's tiles, and every output passes the verifier."""
+    kernel = build(compiler, params, dtype, layout)
+    shapes = ((4096, 4096, 64), (3000, 2056, 136), (8192, 1024, 128), (33, 24, 2056))
+    failures = verifier_failures(kernel, shapes, dtype, layout, seed=12)
+    assert not failures, "\n".join(failures)

@@ -62,7 +62,8 @@ def test_it_serves_few_tiles_with_a_long_k_on_rows_tma_can_read():
     assert not SPACE.admits(Problem(64, 60, 16384, "fp16", "nn"))  # B's rows under nn
     assert SPACE.admits(Problem(64, 60, 16384, "fp16", "nt"))
     assert not SPACE.admits(Problem(4096, 4096, 4096))  # 1024 tiles of 128x128: not its regime
-    assert not SPACE.admits(Problem(4096, 4096, 256))  # a short K over many tiles: sm90_cutlass's
+    assert SPACE.admits(Problem(4096, 4096, 256))  # a short K over many tiles: the persistent schedule
+    assert not SPACE.admits(Problem(8192, 4096, 256))  # larger outputs: sm90_cutlass's
 
 
 def test_a_short_k_on_a_small_output_takes_the_direct_epilogue_alone():
@@ -76,7 +77,8 @@ def test_a_short_k_on_a_small_output_takes_the_direct_epilogue_alone():
     template = get_template("sm90_splitk")
     problem = Problem(1024, 1024, 64)
     assert SPACE.admits(problem)
-    one = {"block_m": 64, "block_n": 128, "stages": 2, "split_k": 1, "k_clusters": 1, "fixup": "workspace", "producer": "warp"}
+    one = {"block_m": 64, "block_n": 128, "stages": 2, "split_k": 1, "k_clusters": 1, "fixup": "workspace", "producer": "warp",
+           "schedule": "tile"}
     assert predict_us(template, {**one, "epilogue": "direct"}, problem, device) < 10
     assert predict_us(template, {**one, "epilogue": "smem"}, problem, device) == float("inf")
     # Where both run (a long K without a split), the smem pass is priced: a microsecond a round
@@ -207,3 +209,29 @@ def test_the_timeline_probed_source_builds(compiler):
                                                          Problem(1, 1, 1, dtype, layout))))
     assert build.status == "ok", build.log[-3000:]
     assert {"cudal2_gemm", "cudal2_timeline_read", "cudal2_timeline_clear"} <= set(build.exports)
+
+
+def test_the_persistent_schedule_serves_a_short_k_up_to_4096_squared_and_refuses_the_tile_that_spills():
+    """schedule=persistent needs the direct epilogue (no split) and a producer warp, which loads
+    the next tile while the warpgroups store this one; 128x256 spills there (measured slower) and
+    192 rows were not measured. Priced where measured: K of 256 or less, up to 4096 x 4096."""
+    from cudal2.cost import predict_us
+
+    one = {"block_m": 64, "block_n": 128, "stages": 4, "split_k": 1, "k_clusters": 1, "fixup": "workspace",
+           "producer": "warp", "epilogue": "direct", "schedule": "persistent"}
+    assert SPACE.resolve(one, 90, "sm90_splitk") == one
+    for broken in ({"epilogue": "smem"}, {"producer": "thread"}, {"block_m": 128, "block_n": 256}, {"block_m": 192}):
+        with pytest.raises(Cudal2Error, match="schedule == 'tile'"):
+            SPACE.resolve({**one, **broken}, 90, "sm90_splitk")
+    device = {"cc": 90, "sm_count": 132, "max_sm_clock_mhz": 1980, "memory_clock_khz": 3201000, "memory_bus_bits": 6016}
+    template = get_template("sm90_splitk")
+    for shape in ((8192, 1024, 64), (4096, 4096, 256)):
+        assert predict_us(template, one, Problem(*shape), device) < 30
+    # the store overlaps the next tile's loads: priced below the same tile a CTA a tile
+    small = Problem(2048, 2048, 64)
+    assert predict_us(template, one, small, device) < predict_us(template, {**one, "schedule": "tile"}, small, device)
+    for shape in ((4096, 4096, 512), (8192, 4096, 128)):
+        assert predict_us(template, one, Problem(*shape), device) == float("inf")
+    source = template.render(one, small)
+    assert "resident_ctas" in source and "t += (int)gridDim.x" in source
+    assert "resident_ctas" not in template.render({**one, "schedule": "tile"}, small)
