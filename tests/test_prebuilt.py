@@ -216,3 +216,19 @@ def test_the_cli_lists_the_h200_set_from_the_shipped_measurements(tmp_path, some
     assert len(listed) > 50 and {"sm80_mma", "sm90_cutlass"} <= families <= {"sm80_mma", "sm90_cutlass", "gemv", "sm90_splitk"}
     none = CliRunner().invoke(app, ["prebuild", "--arch", "sm_100a", "--list", "--results", str(tmp_path)])
     assert none.exit_code != 0 and "no measurements" in none.output
+
+
+def test_prebuild_and_compile_take_this_gpus_target_where_no_arch_is_named(tmp_path, some_regions, monkeypatch):
+    # `--arch` says "default: the GPU's"; a GPU machine's prebuild had stopped at "needs --arch".
+    import cudal2.cli.kernels as kernels
+
+    monkeypatch.delenv("CUDAL2_ARCH", raising=False)
+    monkeypatch.setattr(kernels, "listed_cc", lambda device=0: None)  # a CPU build host
+    for args in (["prebuild", "--list"], ["compile", "--template", "sm80_mma"]):
+        out = CliRunner().invoke(app, [*args, "--results" if args[0] == "prebuild" else "--jobs",
+                                       str(tmp_path) if args[0] == "prebuild" else "1"])
+        assert out.exit_code == 1 and f"{args[0]} needs --arch (e.g. sm_90a) or CUDAL2_ARCH: no GPU here" in out.output
+    named = CliRunner().invoke(app, ["prebuild", "--arch", "sm_90a", "--list", "--json", "--results", str(tmp_path)])
+    monkeypatch.setattr(kernels, "listed_cc", lambda device=0: 90)  # an H100 or H200, as nvidia-smi lists it
+    taken = CliRunner().invoke(app, ["prebuild", "--list", "--json", "--results", str(tmp_path)])
+    assert taken.exit_code == 0 and json.loads(taken.stdout) == json.loads(named.stdout)

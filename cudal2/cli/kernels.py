@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import textwrap
 import time
@@ -15,12 +16,24 @@ from .. import render as render_stage
 from ..candidate import Candidate
 from ..compile import Compiler, find_nvcc, first_error_line
 from ..config import load_settings
+from ..environment import default_arch, listed_cc
 from ..errors import Cudal2Error
 from ..leaderboard import Leaderboard, with_shipped
 from ..problem import Problem
 from ..tables import err_console, fmt, show_table, width_limit
 from .options import (Arch, Dtype, Json, Kernels, Layout, Params, Results, TemplateOpt, app, cli_errors, parse_params,
                read_kernel_file)
+
+def target_arch(settings, command: str) -> str:
+    """--arch (or CUDAL2_ARCH), else the nvcc target of this machine's GPU, read from nvidia-smi
+    without starting CUDA: a GPU machine's `prebuild` needs no flag, a CPU build host names one."""
+    if settings.arch is not None:
+        return settings.arch
+    cc = listed_cc(settings.device)
+    if cc is None:
+        raise Cudal2Error(f"{command} needs --arch (e.g. sm_90a) or CUDAL2_ARCH: no GPU here to take it from")
+    return default_arch(cc)
+
 
 @app.command("compile")
 @cli_errors
@@ -37,8 +50,7 @@ def compile_cmd(
 ) -> None:
     """Render and compile without a GPU, filling the kernel cache (e.g. on a CPU build host)."""
     settings = load_settings({"arch": arch, "jobs": jobs})
-    if settings.arch is None:
-        raise Cudal2Error("compile needs --arch (e.g. sm_90a) or CUDAL2_ARCH")
+    settings = dataclasses.replace(settings, arch=target_arch(settings, "compile"))
     cc = render_stage.arch_cc(settings.arch)
     problem = Problem(1, 1, 1, dtype, layout)  # only dtype and layout shape the source
     candidates = [read_kernel_file(p) for p in kernel or []]
@@ -95,8 +107,7 @@ def prebuild(
         added = prebuilt.unpack(unpack, settings.cache_dir)
         print(f"{added} kernel build(s) added to {settings.cache_dir}")
         return
-    if settings.arch is None:
-        raise Cudal2Error("prebuild needs --arch (e.g. sm_90a) or CUDAL2_ARCH")
+    settings = dataclasses.replace(settings, arch=target_arch(settings, "prebuild"))
     measured = with_shipped(Leaderboard(settings.results).read(protocol=None))
     began = time.perf_counter()
 
