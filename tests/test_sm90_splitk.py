@@ -214,7 +214,8 @@ def test_the_timeline_probed_source_builds(compiler):
 def test_the_persistent_schedule_serves_a_short_k_up_to_4096_squared_and_refuses_the_tile_that_spills():
     """schedule=persistent needs the direct epilogue (no split) and a producer warp, which loads
     the next tile while the warpgroups store this one; 128x256 spills there (measured slower) and
-    192 rows were not measured. Priced where measured: K of 256 or less, up to 4096 x 4096."""
+    192 rows were not measured. Priced where measured: K of 256 or less, sides of 1024 or more, up
+    to 4096 x 4096 (skinny outputs stay with sm90_cutlass's one-wave tilings)."""
     from cudal2.cost import predict_us
 
     one = {"block_m": 64, "block_n": 128, "stages": 4, "split_k": 1, "k_clusters": 1, "fixup": "workspace",
@@ -230,7 +231,7 @@ def test_the_persistent_schedule_serves_a_short_k_up_to_4096_squared_and_refuses
     # the store overlaps the next tile's loads: priced below the same tile a CTA a tile
     small = Problem(2048, 2048, 64)
     assert predict_us(template, one, small, device) < predict_us(template, {**one, "schedule": "tile"}, small, device)
-    for shape in ((4096, 4096, 512), (8192, 4096, 128)):
+    for shape in ((4096, 4096, 512), (8192, 4096, 128), (12288, 128, 128)):
         assert predict_us(template, one, Problem(*shape), device) == float("inf")
     source = template.render(one, small)
     assert "resident_ctas" in source and "t += (int)gridDim.x" in source
