@@ -241,7 +241,10 @@ def test_one_op_call_costs_about_what_f_linear_costs_on_the_host():
                             cuda=False, rounds=1000, repeat=50)
     finally:
         torch.set_num_threads(threads)
-    assert t["op"] <= t["F.linear"] + 2.5, t
-    assert t["op"] <= t["aten"] + 0.3, t
-    assert t["layer"] <= t["F.linear"] + 1.0, t  # the bound, for a patched layer's call
-    assert t["patched"] <= t["nn.Linear"] + 0.3, t
+    # The margins were measured where F.linear took 2.2 us; a slower host (CI machines have run
+    # it at 6.3 us, the op at 9.5 and aten's at 9.2) stretches every call alike, so they scale.
+    scale = max(1.0, t["F.linear"] / 2.2)
+    assert t["op"] <= t["F.linear"] + 2.5 * scale, t
+    assert t["op"] <= t["aten"] + 0.3 * scale, t
+    assert t["layer"] <= t["F.linear"] + 1.0 * scale, t  # the bound, for a patched layer's call
+    assert t["patched"] <= t["nn.Linear"] + 0.3 * scale, t
