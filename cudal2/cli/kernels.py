@@ -24,6 +24,7 @@ from ..tables import err_console, fmt, show_table, width_limit
 from .options import (Arch, Dtype, Json, Kernels, Layout, Params, Results, TemplateOpt, app, cli_errors, parse_params,
                read_kernel_file)
 
+
 def target_arch(settings, command: str) -> str:
     """--arch (or CUDAL2_ARCH), else the nvcc target of this machine's GPU, read from nvidia-smi
     without starting CUDA: a GPU machine's `prebuild` needs no flag, a CPU build host names one."""
