@@ -145,10 +145,12 @@ def test_the_direct_epilogue_writes_rows_of_any_length_under_nt(compiler, params
 
 # schedule=persistent: one wave of CTAs walking the tiles, each tile stored from registers while
 # the producer warp loads the next one's K tiles.
-PERSISTENT = ({**WIDE_DIRECT, "schedule": "persistent"}, {**SMALL_DIRECT, "schedule": "persistent"})
+# (128x256 is refused persistent: it spills; 128x128 in four stages is the schedule's measured best)
+PERSISTENT = ({**WIDE_DIRECT, "block_n": "128", "stages": "4", "schedule": "persistent"},
+              {**SMALL_DIRECT, "schedule": "persistent"})
 
 
-@pytest.mark.parametrize("params", PERSISTENT, ids=["128x256", "64x64"])
+@pytest.mark.parametrize("params", PERSISTENT, ids=["128x128", "64x64"])
 @pytest.mark.parametrize("dtype, layout", VARIANTS)
 def test_persistent_ctas_walk_more_tiles_than_they_hold(compiler, params, dtype, layout):
     """More tiles than the wave holds (4096x4096 in 64x64 tiles: 4,096 over a few hundred CTAs),
