@@ -236,3 +236,14 @@ def test_the_persistent_schedule_serves_a_short_k_up_to_4096_squared_and_refuses
     source = template.render(one, small)
     assert "resident_ctas" in source and "t += (int)gridDim.x" in source
     assert "resident_ctas" not in template.render({**one, "schedule": "tile"}, small)
+
+
+def test_every_configuration_the_gpu_suite_builds_is_one_the_space_admits():
+    """The GPU tests run on the device only; a configuration the space has since refused fails
+    there at its check, not at the kernel. Caught here (the persistent 128x256 case was one)."""
+    import test_gpu_sm90_splitk as gpu
+
+    configurations = [params for _, params, *_ in gpu.CASES]
+    configurations += [gpu.SMALL, gpu.SMALL_WARP, *gpu.ATOMIC, *gpu.SPREAD, *gpu.DIRECT_EPILOGUE, *gpu.PERSISTENT]
+    for params in configurations:
+        template_candidate("sm90_splitk", params, 90)
