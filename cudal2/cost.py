@@ -172,7 +172,8 @@ def rank_values(templates: dict[str, Template], problem: Problem,
 
 
 # Memory facts the leaderboard does not record per row (clock kHz, bus bits), by GPU name.
-RECORDED_MEMORY = {"NVIDIA H200": (3201000, 6016)}
+# (nvidia-smi's clocks.max.memory and the HBM's bus: H100 SXM's 3.35 TB/s, H200's 4.8 TB/s)
+RECORDED_MEMORY = {"NVIDIA H200": (3201000, 6016), "NVIDIA H100 80GB HBM3": (2619000, 5120)}
 
 
 def recorded_device(df: pd.DataFrame, gpu: str) -> dict[str, Any]:
