@@ -232,3 +232,26 @@ def test_prebuild_and_compile_take_this_gpus_target_where_no_arch_is_named(tmp_p
     monkeypatch.setattr(kernels, "listed_cc", lambda device=0: 90)  # an H100 or H200, as nvidia-smi lists it
     taken = CliRunner().invoke(app, ["prebuild", "--list", "--json", "--results", str(tmp_path)])
     assert taken.exit_code == 0 and json.loads(taken.stdout) == json.loads(named.stdout)
+
+
+def test_the_coverage_script_prices_the_sets_best_against_the_whole_spaces():
+    """scripts/prebuilt_coverage.py: where the set holds the model's pick the ratio is 1; where
+    it holds nothing of a shape's dtype and layout, the shape is priced as uncovered."""
+    import importlib.util
+    from pathlib import Path
+
+    from cudal2.cost import rank
+    from cudal2.leaderboard import shipped
+
+    path = Path(__file__).resolve().parent.parent / "scripts" / "prebuilt_coverage.py"
+    spec = importlib.util.spec_from_file_location("prebuilt_coverage", path)
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    templates, device = load_templates(), recorded_device(shipped(None), "NVIDIA H200")
+    fp16, bf16 = Problem(128, 64, 64), Problem(128, 64, 64, "bf16", "nt")
+    price, name, params = rank(templates, fp16, device)[0]
+    entries = [{"kernel": f"{name}(...)", "params": params, "dtype": "fp16", "layout": "nn"},
+               {"kernel": "free-form", "params": None, "dtype": "bf16", "layout": "nt"}]
+    (_, mine, best), (_, none, _) = script.coverage([fp16, bf16], entries, templates, device)
+    assert mine[0] == best[0] == price and mine[1] == name
+    assert none == (float("inf"), None, None)
