@@ -297,6 +297,12 @@ class Compiler:
         if not meta.is_file():
             return None
         build = Build(**json.loads(meta.read_text()), library=None, cached=True)
+        if build.status == "compile_error" and not build.log.strip():
+            # nvcc says why for every failure it decides; a failure without a word is a build
+            # stopped from outside that an earlier version cached. It says nothing of the
+            # source: removed, to be compiled again (a prebuild's killed builds failed six GPU tests so).
+            shutil.rmtree(self.entry(key), ignore_errors=True)
+            return None
         if build.status == "ok":
             build.library = self.entry(key) / LIBRARY
         return build

@@ -1,3 +1,4 @@
+import json
 import struct
 from pathlib import Path
 
@@ -5,7 +6,7 @@ import pytest
 
 from cudal2.baselines import cublas_location
 from cudal2.compile import (RESOURCES_TAG, Cancelled, Compiler, cache_key, declared_resources, library_symbols,
-                            parse_ptxas)
+                            nvcc_version, parse_ptxas)
 from cudal2.problem import Problem
 from cudal2.render import get_template, max_smem, render, template_candidate
 from cudal2.verify import Kernel, forbidden_imports
@@ -144,12 +145,29 @@ def test_a_compile_stopped_by_a_signal_is_not_cached(tmp_path, monkeypatch, scri
     nvcc = tmp_path / "nvcc"
     nvcc.write_text(f"#!/bin/sh\n{script}\n")
     nvcc.chmod(0o755)
+    nvcc_version()  # the real one's, which names the cache entries (read once, before the fake stands in)
     monkeypatch.setattr("cudal2.compile.find_nvcc", lambda: str(nvcc))
     compiler = Compiler("sm_90a", tmp_path / "cache")
     build = compiler.compile("// any source\n")
     assert build.status == "compile_error" and "not cached" in build.log
     assert compiler.lookup("// any source\n") is None
     assert not list((tmp_path / "cache" / "kernels").glob("*/*"))  # nor left half-made
+
+
+def test_a_cached_failure_without_a_word_from_nvcc_is_compiled_again(tmp_path):
+    # Caches written before builds stopped by a signal were left out hold such failures.
+    compiler = Compiler("sm_90a", tmp_path)
+    source = 'extern "C" int cudal2_gemm(const void*, const void*, void*, int, int, int, void*, unsigned long, void*) { return 0; }\n'
+    assert compiler.compile(source).status == "ok"
+    meta = next((tmp_path / "kernels").glob("*/*/build.json"))
+    meta.write_text(json.dumps({**json.loads(meta.read_text()), "status": "compile_error", "log": ""}))
+    assert compiler.lookup(source) is None
+    build = compiler.compile(source)
+    assert build.status == "ok" and not build.cached
+    # a failure nvcc explained stays cached
+    broken = "this is not C++\n"
+    assert compiler.compile(broken).status == "compile_error"
+    assert compiler.lookup(broken).status == "compile_error"
 
 
 def test_cache_key_names_the_target():
