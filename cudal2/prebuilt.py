@@ -332,5 +332,6 @@ def _unpack_tarball(source: Path, target: Path) -> tuple[int, dict]:
 
 
 def describe(entries: list[Entry]) -> list[dict]:
-    return [{"kernel": str(e.candidate), "dtype": e.dtype, "layout": e.layout, "why": e.why,
-             "params": json.loads(e.candidate.params_json) if e.candidate.template else None} for e in entries]
+    return [{"kernel": str(e.candidate), "template": e.candidate.template, "dtype": e.dtype, "layout": e.layout,
+             "why": e.why, "params": json.loads(e.candidate.params_json) if e.candidate.template else None}
+            for e in entries]

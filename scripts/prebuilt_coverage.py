@@ -16,29 +16,29 @@ import json
 import math
 from collections import defaultdict
 
+from pathlib import Path
+
 from cudal2.cost import predict_us, rank, recorded_device
 from cudal2.leaderboard import shipped
 from cudal2.render import load_templates
 from cudal2.roofline import regime
-from pathlib import Path
-
 from cudal2.shapes import read_shapes
 
 
 def coverage(problems, entries, templates, device):
-    """Per problem: (the set's best price, the space's best price, the set's pick, the space's pick)."""
+    """Per problem: (problem, the set's best, the space's best), each best as (predicted us,
+    template, params); the set's is (inf, None, None) where it holds nothing that runs it."""
     built = defaultdict(list)
     for entry in entries:
-        if entry["params"] is not None:  # a free-form kernel has none
-            built[entry["dtype"], entry["layout"]].append((entry["kernel"].split("(")[0], entry["params"]))
+        if entry["template"]:  # a free-form kernel is priced by no template
+            built[entry["dtype"], entry["layout"]].append((entry["template"], entry["params"]))
     rows = []
     for problem in problems:
         prices = [(predict_us(templates[name], params, problem, device), name, params)
                   for name, params in built[problem.dtype, problem.layout]
                   if name in templates and templates[name].supports(problem, device["cc"])]
-        mine = min(prices, key=lambda e: e[0], default=(math.inf, None, None))
-        best = rank(templates, problem, device)[0]
-        rows.append((problem, mine, best))
+        in_set = min(prices, key=lambda e: e[0], default=(math.inf, None, None))
+        rows.append((problem, in_set, rank(templates, problem, device)[0]))
     return rows
 
 
@@ -54,15 +54,15 @@ def main() -> None:
     with open(args.set) as f:
         entries = json.load(f)
     rows = coverage(read_shapes(Path(args.shapes)), entries, templates, device)
-    gaps = [(mine[0] / best[0], problem, mine, best) for problem, mine, best in rows]
-    gaps.sort(key=lambda e: -e[0])
-    for gap, problem, mine, best in gaps[: args.worst]:
+    gaps = sorted(((in_set[0] / best[0], problem, in_set, best) for problem, in_set, best in rows),
+                  key=lambda e: -e[0])
+    for gap, problem, in_set, best in gaps[: args.worst]:
         print(f"{problem.m}x{problem.n}x{problem.k} {problem.dtype} {problem.layout} ({regime(problem)}): "
-              f"set {mine[0]:.2f} us ({mine[1]}), space {best[0]:.2f} us ({best[1]} {json.dumps(best[2])}), {gap:.3f}x")
+              f"set {in_set[0]:.2f} us ({in_set[1]}), space {best[0]:.2f} us ({best[1]} {json.dumps(best[2])}), {gap:.3f}x")
     finite = [g for g, *_ in gaps if math.isfinite(g)]
     geomean = math.exp(sum(map(math.log, finite)) / len(finite)) if finite else math.nan
     print(f"{len(gaps)} shapes: the set's best priced {geomean:.3f}x the space's (geometric mean), "
-          f"worst {gaps[0][0]:.3f}x; {len(gaps) - len(finite)} with nothing in the set")
+          f"worst {max(finite, default=math.nan):.3f}x; {len(gaps) - len(finite)} with nothing in the set")
 
 
 if __name__ == "__main__":

@@ -142,7 +142,6 @@ def test_the_direct_epilogue_writes_rows_of_any_length_under_nt(compiler, params
     assert not failures, "\n".join(failures)
 
 
-
 # schedule=persistent: one wave of CTAs walking the tiles, each tile stored from registers while
 # the producer warp loads the next one's K tiles.
 # (128x256 is refused persistent: it spills; 128x128 in four stages is the schedule's measured best)

@@ -224,9 +224,8 @@ def test_prebuild_and_compile_take_this_gpus_target_where_no_arch_is_named(tmp_p
 
     monkeypatch.delenv("CUDAL2_ARCH", raising=False)
     monkeypatch.setattr(kernels, "listed_cc", lambda device=0: None)  # a CPU build host
-    for args in (["prebuild", "--list"], ["compile", "--template", "sm80_mma"]):
-        out = CliRunner().invoke(app, [*args, "--results" if args[0] == "prebuild" else "--jobs",
-                                       str(tmp_path) if args[0] == "prebuild" else "1"])
+    for args in (["prebuild", "--list", "--results", str(tmp_path)], ["compile", "--template", "sm80_mma", "--jobs", "1"]):
+        out = CliRunner().invoke(app, args)
         assert out.exit_code == 1 and f"{args[0]} needs --arch (e.g. sm_90a) or CUDAL2_ARCH: no GPU here" in out.output
     named = CliRunner().invoke(app, ["prebuild", "--arch", "sm_90a", "--list", "--json", "--results", str(tmp_path)])
     monkeypatch.setattr(kernels, "listed_cc", lambda device=0: 90)  # an H100 or H200, as nvidia-smi lists it
@@ -250,8 +249,8 @@ def test_the_coverage_script_prices_the_sets_best_against_the_whole_spaces():
     templates, device = load_templates(), recorded_device(shipped(None), "NVIDIA H200")
     fp16, bf16 = Problem(128, 64, 64), Problem(128, 64, 64, "bf16", "nt")
     price, name, params = rank(templates, fp16, device)[0]
-    entries = [{"kernel": f"{name}(...)", "params": params, "dtype": "fp16", "layout": "nn"},
-               {"kernel": "free-form", "params": None, "dtype": "bf16", "layout": "nt"}]
-    (_, mine, best), (_, none, _) = script.coverage([fp16, bf16], entries, templates, device)
-    assert mine[0] == best[0] == price and mine[1] == name
+    entries = [{"template": name, "params": params, "dtype": "fp16", "layout": "nn"},
+               {"template": None, "params": None, "dtype": "bf16", "layout": "nt"}]  # a free-form kernel
+    (_, in_set, best), (_, none, _) = script.coverage([fp16, bf16], entries, templates, device)
+    assert in_set[0] == best[0] == price and in_set[1] == name
     assert none == (float("inf"), None, None)
