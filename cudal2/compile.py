@@ -100,8 +100,10 @@ def cutlass_include() -> tuple[Path, ...]:
         base = Path(spec.origin).parent / "source"  # located, not imported (heavy deps)
     else:
         base = fetch_cutlass_headers(Path(os.environ.get("CUDAL2_CACHE_DIR") or default_cache_dir()))
+    # Absolute: nvcc runs in each build's own folder, where a relative CUTLASS_DIR or
+    # CUDAL2_CACHE_DIR (say `.cache`) would name nothing and every sm90 build fail.
     dirs = (base / "include", base / "tools" / "util" / "include")
-    return tuple(d for d in dirs if d.is_dir())
+    return tuple(d.resolve() for d in dirs if d.is_dir())
 
 
 def fetch_cutlass_headers(cache_dir: Path) -> Path:

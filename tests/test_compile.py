@@ -5,8 +5,8 @@ from pathlib import Path
 import pytest
 
 from cudal2.baselines import cublas_location
-from cudal2.compile import (RESOURCES_TAG, Cancelled, Compiler, cache_key, declared_resources, library_symbols,
-                            nvcc_version, parse_ptxas)
+from cudal2.compile import (RESOURCES_TAG, Cancelled, Compiler, cache_key, cutlass_include, cutlass_version,
+                            declared_resources, library_symbols, nvcc_version, parse_ptxas)
 from cudal2.problem import Problem
 from cudal2.render import get_template, max_smem, render, template_candidate
 from cudal2.verify import Kernel, forbidden_imports
@@ -168,6 +168,27 @@ def test_a_cached_failure_without_a_word_from_nvcc_is_compiled_again(tmp_path):
     broken = "this is not C++\n"
     assert compiler.compile(broken).status == "compile_error"
     assert compiler.lookup(broken).status == "compile_error"
+
+
+def test_headers_named_relative_to_the_working_folder_are_found_by_nvcc(tmp_path, monkeypatch):
+    # nvcc runs in each build's own folder. CUTLASS's include folders named relative to the
+    # user's (CUDAL2_CACHE_DIR=.cache with the headers fetched there, or CUTLASS_DIR=cutlass)
+    # named nothing there: every sm90 build failed with "cute/tensor.hpp: No such file", cached.
+    headers = tmp_path / "cutlass" / "include" / "cutlass"
+    headers.mkdir(parents=True)
+    (headers / "version.h").write_text("#define CUTLASS_MAJOR 4\n#define CUTLASS_MINOR 2\n#define CUTLASS_PATCH 0\n")
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("CUTLASS_DIR", "cutlass")
+    cutlass_include.cache_clear(), cutlass_version.cache_clear()
+    try:
+        assert cutlass_include() == (headers.parent,)
+        source = ('#include <cutlass/version.h>\nstatic_assert(CUTLASS_MAJOR == 4, "the header named");\n'
+                  'extern "C" int cudal2_gemm(const void*, const void*, void*, int, int, int, void*, unsigned long, void*)'
+                  ' { return 0; }\n')
+        build = Compiler("sm_90a", Path("cache")).compile(source)
+        assert build.status == "ok", build.log
+    finally:
+        cutlass_include.cache_clear(), cutlass_version.cache_clear()  # the session's own, read again
 
 
 def test_cache_key_names_the_target():
