@@ -79,6 +79,12 @@ LOAD_LATENCY_US = 0.4
 # 4.3 TB/s times 2 us of loaded latency, over 132 SMs). Measured on the H200 with gemv at
 # 1x4096x4096 bf16 nt: 64 KiB in flight per SM ran 11.4-11.7 us in the graph, 32 KiB 14.4-17.9.
 IN_FLIGHT_BYTES = 64 * 1024
+# What one SM's loads bring in at most (operands from L2 to shared memory), bytes per SM clock:
+# where a few CTAs each read a long K, that, not the DRAM, bounds their loads. The fastest of
+# 6,600 measured rows of one wave or less (a CTA reading 256 KiB or more): 188 GB/s (H200) and
+# 185 GB/s (H100), both at 1980 MHz, by sm90_cutlass's 64x64 tiles without a split at
+# 64x64x16384 and 128x64x14336; median 72-84 GB/s.
+SM_STREAM_BYTES_PER_CLOCK = 96
 
 
 def predict_us(template: Template, params: dict[str, Any], problem: Problem, device: dict[str, Any]) -> float:
@@ -128,6 +134,9 @@ def predict_us(template: Template, params: dict[str, Any], problem: Problem, dev
     # Likewise too few bytes of loads in flight (templates that give `in_flight_bytes` a CTA).
     if int(c["in_flight_bytes"]):
         memory_s = memory_s / min(1.0, resident * int(c["in_flight_bytes"]) / IN_FLIGHT_BYTES)
+    # Nor faster than one SM streams its CTAs' operand tiles.
+    sm_bytes = waves * resident * (tm + tn) * math.ceil(problem.k / split) * 2
+    memory_s = max(memory_s, sm_bytes / (SM_STREAM_BYTES_PER_CLOCK * device["max_sm_clock_mhz"] * 1e6))
     # Compute and memory overlap, but not perfectly: a quarter of the smaller is paid too
     # (this also ranks, among memory-bound configurations, the more efficient one first).
     gemm_us = (max(compute_s, memory_s, latency_s) + OVERLAP_LOSS * min(compute_s, memory_s)) * 1e6 + LAUNCH_US

@@ -157,6 +157,25 @@ def test_too_few_bytes_of_loads_in_flight_per_sm_are_paid():
     assert full * 1.3 < us(tile_rows=32, warps=4, unroll=2) and full * 1.3 < us(tile_rows=16, warps=2, unroll=4)
 
 
+def test_an_sm_streams_its_ctas_operands_no_faster_than_measured(monkeypatch):
+    """128x96x4096 fp16 nn on the H100 (1980 MHz, as the H200; screened in the graph,
+    --time-budget 5): sm90_cutlass's swapped 64x16 tile without a split, 16 CTAs reading 640 KiB
+    each, ran 7.82 us; sm80_mma's 32x32 tiles with split_k 8 4.37. The model had put the first
+    ahead (3.99 against 5.54 us), as if 16 SMs drew the DRAM's bandwidth; no SM was measured
+    loading faster than 188 GB/s."""
+    swapped = sm90(kernel_schedule="warpspecialized", swap_ab="yes", tile_m=64, tile_n=16, cluster_m=1, cluster_n=1,
+                   splits=1, reduction="deterministic", tile_scheduler="persistent")
+    sm80 = get_template("sm80_mma")
+    split = {**sm80.space.defaults(), "block_m": 32, "block_n": 32, "warps_m": 1, "warps_n": 2, "split_k": 8}
+    problem = Problem(128, 96, 4096)
+    assert predict_us(get_template("sm90_cutlass"), swapped, problem, H200) > predict_us(sm80, split, problem, H200)
+    # A full GPU's tiles each read a share no SM is slowed by: the term moves nothing there.
+    large = Problem(4096, 4096, 4096)
+    priced = predict_us(get_template("sm90_cutlass"), sm90(), large, H200)
+    monkeypatch.setattr("cudal2.cost.SM_STREAM_BYTES_PER_CLOCK", math.inf)
+    assert predict_us(get_template("sm90_cutlass"), sm90(), large, H200) == priced
+
+
 def test_a_shallow_pipeline_waits_for_its_loads_where_the_k_loop_is_long():
     """Measured on the H200 at 2048x64x2048 fp16 nn (a 16x64x64 tile on four warps, 128
     tiles): 6.96 / 7.19 us (CUPTI / graph) with 4 stages, 16.18 / 11.55 us with 2 and the
