@@ -83,7 +83,7 @@ IN_FLIGHT_BYTES = 64 * 1024
 # where a few CTAs each read a long K, that, not the DRAM, bounds their loads. The fastest of
 # 6,600 measured rows of one wave or less (a CTA reading 256 KiB or more): 188 GB/s (H200) and
 # 185 GB/s (H100), both at 1980 MHz, by sm90_cutlass's 64x64 tiles without a split at
-# 64x64x16384 and 128x64x14336; median 72-84 GB/s.
+# 64x64x16384 and 128x64x14336 (that template's median: 72 and 84 GB/s).
 SM_STREAM_BYTES_PER_CLOCK = 96
 
 
