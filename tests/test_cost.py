@@ -1,9 +1,11 @@
 import json
 import math
 
+import pandas as pd
 import pytest
 
-from cudal2.cost import predict_us, rank
+from cudal2.cost import predict_us, rank, recorded_device
+from cudal2.environment import dram_bandwidth
 from cudal2.problem import Problem
 from cudal2.render import get_template, load_templates
 
@@ -419,11 +421,6 @@ def test_decode_shapes_rank_the_gemv_family_first_and_others_never_see_it():
 def test_an_h100_run_is_priced_with_the_h100s_memory():
     """cost_check.py reads a results directory of either GPU: the H100 SXM's HBM3 moves
     3.35 TB/s, the H200's 4.8; an unknown GPU is refused rather than priced as another."""
-    import pandas as pd
-
-    from cudal2.cost import recorded_device
-    from cudal2.environment import dram_bandwidth
-
     rows = pd.DataFrame([{"gpu": g, "cc": 90, "sm_count": 132, "max_sm_clock_mhz": 1980}
                          for g in ("NVIDIA H100 80GB HBM3", "NVIDIA H200", "NVIDIA H20")])
     assert dram_bandwidth(recorded_device(rows, "NVIDIA H100 80GB HBM3")) == pytest.approx(3.35e12, rel=0.01)

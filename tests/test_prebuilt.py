@@ -1,6 +1,7 @@
 """The prebuilt kernel set: chosen from measurements and the cost model, built once into the
 compile cache (resuming where a build stopped), and carried to another machine's cache."""
 
+import importlib.util
 import json
 
 import pandas as pd
@@ -10,9 +11,12 @@ from typer.testing import CliRunner
 from cudal2 import prebuilt
 from cudal2.cli import app
 from cudal2.compile import Compiler
-from cudal2.cost import predict_us, recorded_device
+from cudal2.cost import predict_us, rank, recorded_device
+from cudal2.leaderboard import shipped
 from cudal2.problem import Problem
 from cudal2.render import get_template, load_templates, render, template_candidate
+
+from conftest import ROOT
 
 
 def measured(rows):
@@ -236,13 +240,7 @@ def test_prebuild_and_compile_take_this_gpus_target_where_no_arch_is_named(tmp_p
 def test_the_coverage_script_prices_the_sets_best_against_the_whole_spaces():
     """scripts/prebuilt_coverage.py: where the set holds the model's pick the ratio is 1; where
     it holds nothing of a shape's dtype and layout, the shape is priced as uncovered."""
-    import importlib.util
-    from pathlib import Path
-
-    from cudal2.cost import rank
-    from cudal2.leaderboard import shipped
-
-    path = Path(__file__).resolve().parent.parent / "scripts" / "prebuilt_coverage.py"
+    path = ROOT / "scripts" / "prebuilt_coverage.py"
     spec = importlib.util.spec_from_file_location("prebuilt_coverage", path)
     script = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(script)
