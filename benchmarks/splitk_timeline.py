@@ -88,15 +88,22 @@ def with_probes(source: str) -> str:
     return source + READER
 
 
+def probed_source(problem, params: dict) -> str:
+    """The rendered source of `params` for `problem`'s dtype and layout, with the probes in:
+    validated, the parameters not given at their defaults (fixup, schedule, ...), as
+    `cudal2 bench --param` takes them."""
+    from cudal2.render import render, template_candidate
+
+    return with_probes(render(template_candidate("sm90_splitk", {key: str(value) for key, value in params.items()}, 90),
+                              problem))
+
+
 def build(problem, params: dict, cache_dir=None):
-    """The probed library of `params` for `problem`'s dtype and layout (cudal2's compiler and cache)."""
-    from cudal2.candidate import Candidate
+    """The probed library of `params` for `problem` (cudal2's compiler and cache)."""
     from cudal2.compile import Compiler
     from cudal2.config import load_settings
-    from cudal2.render import render
 
-    built = Compiler("sm_90a", cache_dir=cache_dir or load_settings().cache_dir).compile(
-        with_probes(render(Candidate.from_template("sm90_splitk", params), problem)))
+    built = Compiler("sm_90a", cache_dir=cache_dir or load_settings().cache_dir).compile(probed_source(problem, params))
     if built.status != "ok":
         raise SystemExit(f"the probed source does not compile:\n{built.log[-3000:]}")
     return built

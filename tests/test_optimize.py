@@ -532,6 +532,29 @@ def test_first_batch_leads_with_what_won_on_the_nearest_problems():
     assert all(c.param_dict["stages"] != 3 for c in first[:3])  # a NaN speedup is no evidence
 
 
+def test_with_the_prebuilt_set_a_first_batch_takes_no_unbuilt_winner_of_another_problem():
+    # On a GPU without shipped rows, a shape set's earlier fp16 nn winners warm-start its bf16 nt
+    # decode shape; their bf16 nt builds are not in the set, and the first batch waited 48 s on
+    # nvcc with the prebuilt set built. The set's configurations fill the batch instead; what
+    # won nearby may come in a later batch.
+    space = get_template("sm80_mma").space
+    winners = [Candidate.from_template("sm80_mma", {**space.defaults(), "block_m": bm, "block_n": bn})
+               for bm, bn in ((64, 64), (128, 64))]
+    prior = [{"status": "ok", "template": "sm80_mma", "params": c.params_json, "kernel": str(c), "m": 384, "n": 1536,
+              "k": 768, "dtype": "fp16", "layout": "nn", "speedup_offline": 1.2} for c in winners]
+    problem = Problem(8, 3072, 2048, "bf16", "nt")
+    ranked = SearchProposer(H200, templates={"sm80_mma": get_template("sm80_mma")}).propose(problem, [], 12)
+    built = [(c.template, c.param_dict) for c in ranked if c not in winners][4:10]
+    search = SearchProposer(H200, prior=prior, templates={"sm80_mma": get_template("sm80_mma")},
+                            built=lambda p: built, cached=lambda p, name, params: (name, params) in built)
+    first = search.propose(problem, [], 4)
+    assert [(c.template, c.param_dict) for c in first] == built[:4]
+    # Without a prebuilt set the nearest winners still lead the first batch.
+    plain = SearchProposer(H200, prior=prior, templates={"sm80_mma": get_template("sm80_mma")},
+                           cached=lambda p, name, params: (name, params) in built)
+    assert set(plain.propose(problem, [], 4)[:2]) == set(winners)
+
+
 def test_nearest_winners_still_come_when_this_problem_has_only_a_weak_history():
     space = get_template("sm80_mma").space
     winner = Candidate.from_template("sm80_mma", {**space.defaults(), "block_m": 16, "warps_m": 1, "split_k": 2})

@@ -200,6 +200,18 @@ def test_the_timeline_probe_finds_every_phase_in_the_rendered_source(params, dty
     assert "cudal2_timeline_read" in probed and probed.startswith(source[:200])
 
 
+def test_the_timeline_takes_a_configuration_as_the_docs_write_it():
+    # JSON numbers, the parameters it does not name at their defaults: the script once rendered
+    # only what was given, and every configuration without `schedule` failed to render.
+    timeline = _timeline()
+    given = {"block_m": 128, "block_n": 64, "stages": 6, "split_k": 2, "k_clusters": 32, "fixup": "spread", "producer": "warp"}
+    probed = timeline.probed_source(Problem(96, 256, 12288), given)
+    full = template_candidate("sm90_splitk", {key: str(value) for key, value in given.items()}, 90)
+    assert probed == timeline.with_probes(render(full, Problem(1, 1, 1)))
+    with pytest.raises(Cudal2Error, match="block_m"):
+        timeline.probed_source(Problem(96, 256, 12288), {**given, "block_m": 96})
+
+
 @pytest.mark.nvcc
 @pytest.mark.slow  # one CuTe TMA + GMMA build
 def test_the_timeline_probed_source_builds(compiler):
