@@ -12,6 +12,9 @@ every CTA printed as percentiles, in microseconds from the first CTA's start:
   end          its tile's C is stored (one CTA per cluster rank: the last cluster's; with
                fixup=spread, every CTA's share)
 
+With epilogue=direct nothing is parked: a CTA goes from mainloop to end. schedule=persistent
+(a CTA walks several tiles) is refused.
+
   PYTHONPATH=. python benchmarks/splitk_timeline.py 64x64x16384 \
       '{"block_m": 64, "block_n": 64, "stages": 4, "split_k": 8, "k_clusters": 16, "producer": "warp"}'
 
@@ -56,6 +59,8 @@ def with_probes(source: str) -> str:
         at += len(anchor)
         source = source[:at] + probe + source[at:]
 
+    if "schedule=persistent" in source:
+        raise ValueError("the timeline probes CTAs of one tile each; schedule=persistent walks several")
     after("using namespace cute;\n", PROBES)
     after("  const int tid = threadIdx.x;\n",
           "  unsigned long long* timeline = cudal2_timeline + ((size_t)(blockIdx.z * gridDim.y + blockIdx.y) * gridDim.x"
@@ -65,8 +70,9 @@ def with_probes(source: str) -> str:
     after("Barrier::wait(&full[stage], (kt / STAGES) & 1);\n",
           "      if (kt == 0 && tid == 0) timeline[1] = timeline_now();\n", last=True)
     after("    warpgroup_wait<0>();\n    warpgroup_fence_operand(acc);\n  }\n", "  if (tid == 0) timeline[2] = timeline_now();\n")
-    after("  cluster.sync();\n" if "cg::this_cluster()" in source else "  __syncthreads();\n  constexpr int rank = 0;\n",
-          "  if (tid == 0) timeline[3] = timeline_now();\n")
+    if "epilogue=direct" not in source:  # (the direct store parks nothing: no phase between mainloop and end)
+        after("  cluster.sync();\n" if "cg::this_cluster()" in source else "  __syncthreads();\n  constexpr int rank = 0;\n",
+              "  if (tid == 0) timeline[3] = timeline_now();\n")
     if "unsigned int before, now;" in source:  # several clusters a tile that wait for each other (spread)
         after("      unsigned int before, now;\n", "      timeline[4] = timeline_now();\n")
         after("      } while (((now ^ before) & 0x80000000u) == 0);\n", "      timeline[5] = timeline_now();\n")

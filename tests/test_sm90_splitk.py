@@ -183,6 +183,9 @@ TIMELINE_CASES = [  # several clusters a tile; one cluster; no cluster, the prod
       "fixup": "spread"}, "fp16", "nn"),
     ({"block_m": "64", "block_n": "64", "stages": "4", "split_k": "8", "k_clusters": "16", "producer": "warp",
       "fixup": "spread"}, "bf16", "nt"),
+    # a CTA a tile, stored straight from the accumulators: nothing parked
+    ({"block_m": "64", "block_n": "128", "stages": "2", "split_k": "1", "k_clusters": "1", "producer": "warp",
+      "epilogue": "direct"}, "fp16", "nn"),
 ]
 
 
@@ -195,7 +198,8 @@ def test_the_timeline_probe_finds_every_phase_in_the_rendered_source(params, dty
     probed = timeline.with_probes(source)
     several = params["k_clusters"] != "1"
     written = {i for i in range(8) if f"timeline[{i}] = " in probed}
-    assert written == ({0, 1, 2, 3, 4, 5, 6, 7} if several else {0, 1, 2, 3, 6, 7})
+    parked = set() if params.get("epilogue") == "direct" else {3}
+    assert written == ({0, 1, 2, 3, 4, 5, 6, 7} if several else {0, 1, 2, 6, 7} | parked)
     assert probed.count("timeline[6] = ") == (2 if several else 1)  # the last cluster's store, and the single cluster's
     assert "cudal2_timeline_read" in probed and probed.startswith(source[:200])
 
@@ -210,6 +214,10 @@ def test_the_timeline_takes_a_configuration_as_the_docs_write_it():
     assert probed == timeline.with_probes(render(full, Problem(1, 1, 1)))
     with pytest.raises(Cudal2Error, match="block_m"):
         timeline.probed_source(Problem(96, 256, 12288), {**given, "block_m": 96})
+    persistent = {"block_m": 64, "block_n": 128, "stages": 2, "split_k": 1, "k_clusters": 1, "epilogue": "direct",
+                  "schedule": "persistent"}
+    with pytest.raises(ValueError, match="persistent"):  # its CTAs walk several tiles: one timeline each would mislead
+        timeline.probed_source(Problem(2048, 2048, 128), persistent)
 
 
 @pytest.mark.nvcc
