@@ -166,7 +166,7 @@ class SearchProposer:
     configuration whose build is not in the compile cache (`cached` says) counts
     UNCACHED_PENALTY slower: a CUTLASS compile costs a minute, a cached one nothing; a
     problem's first batch takes the built ones first, ranked among themselves alone when
-    `built` lists enough of them (the prebuilt set). Ties
+    `built` lists enough of them (the prebuilt set), and then warm-starts from built ones only. Ties
     go to the configuration nearest the defaults, then to a seeded shuffle: deterministic
     per --seed.
     """
