@@ -286,14 +286,14 @@ class SearchProposer:
         measured, near = self._near(history, fresh, score)
         warm = self._warm(problem, score)
         first = not measured  # nothing of this problem measured yet: what is built goes first
-        if first:
+        if first and self.built is not None and self.built(problem):
+            # With the prebuilt set here, a first batch compiles nothing: another problem's
+            # winner in another dtype or layout is seldom built (a shape set's fp16 nn winners
+            # warm-started its bf16 nt decode shape on an H100, with no shipped rows of its
+            # own, and its first batch waited 48 s on nvcc). Later batches may still take it.
+            warm = [e for e in warm if penalty(e[1], e[2]) <= 1.0]
+        elif first:
             warm.sort(key=lambda e: penalty(e[1], e[2]) > 1.0)
-            if self.built is not None and self.built(problem):
-                # With the prebuilt set here, a first batch compiles nothing: another problem's
-                # winner in another dtype or layout is seldom built (a shape set's fp16 nn winners
-                # warm-started its bf16 nt decode shape on an H100, with no shipped rows of its
-                # own, and its first batch waited 48 s on nvcc). Later batches may still take it.
-                warm = [e for e in warm if penalty(e[1], e[2]) <= 1.0]
         # Half the batch: warm-start picks and neighbours, alternating (warm first).
         alternating = [e for pair in itertools.zip_longest(warm, near) for e in pair if e is not None]
         for t, name, params in alternating:
