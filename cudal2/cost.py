@@ -26,7 +26,18 @@ OVERLAP_LOSS = 0.25  # share of the shorter of compute and memory time not hidde
 # on the H200, the copies of A, W and C at 4095x4097x1001 bf16 nt (100 MB moved) took
 # 38.4 us, 2.6 TB/s (the h200-2026-11-30 report (in git history), fourth round).
 COPY_EFFICIENCY = 0.54
-L2_PER_DRAM = 2.5  # L2-to-SM bandwidth over DRAM bandwidth, roughly, on H100/H200
+# What the L2 delivers to the SMs, bytes per SM clock. The H100 and the H200 share one chip and
+# its L2 (only the HBM differs), so it is a per-clock figure, not a multiple of the DRAM
+# bandwidth: 6080 is the 2.5x of the H200's 4.81 TB/s the model was fitted with (12.0 TB/s at
+# 1980 MHz), where 2.5x the H100's 3.35 TB/s had priced its L2 at 8.4 TB/s. Measured on the
+# H100: swapped 128x80 tiles at 3072x384x12288 pull 598 MB through L2 in 46 us (13 TB/s; CTAs
+# reading the same panels at once are partly served by merged requests). With it, on the H100's
+# screened rows (`scripts/cost_check.py RESULTS "NVIDIA H100 80GB HBM3" --screened`) the best
+# measured among the model's top 1 / top 3 rose from 0.834 / 0.890 to 0.870 / 0.912 over 30
+# few-tile long-K problems, 0.846 / 0.889 to 0.874 / 0.919 over 30 others, 0.961 / 0.974 to
+# 0.969 / 0.982 and 0.957 / 0.975 to 0.972 / 0.980 over two sets of 30 short-K, 0.930 / 0.966 to
+# 0.942 / 0.977 over 50 grid shapes; on the shipped H200 rows it is unchanged (0.966 / 0.987).
+L2_BYTES_PER_CLOCK = 6080
 # Warps per SM below which an SM cannot keep enough loads in flight to reach the memory
 # bandwidth (Little's law).
 OCCUPANCY_WARPS = 4
@@ -125,7 +136,7 @@ def predict_us(template: Template, params: dict[str, Any], problem: Problem, dev
         latency_us = float(c.get("load_latency_us", LOAD_LATENCY_US))
         latency_s = waves * math.ceil(steps / max(1, int(c["pipeline_stages"]) - 1)) * latency_us * 1e-6
     l2_bytes = tiles * (tm + tn) * problem.k * 2 + (tiles * tm * tn * 4 * 2 if split > 1 else 0)
-    memory_s = max(problem.min_bytes / dram_bandwidth(device), l2_bytes / (L2_PER_DRAM * dram_bandwidth(device)))
+    memory_s = max(problem.min_bytes / dram_bandwidth(device), l2_bytes / (L2_BYTES_PER_CLOCK * device["max_sm_clock_mhz"] * 1e6))
     # Too few warps on an SM cannot keep enough loads in flight: the memory time stretches
     # by the missing share of OCCUPANCY_WARPS (templates that give `warps` per block).
     if c.get("warps"):
@@ -161,8 +172,8 @@ def rank_values(templates: dict[str, Template], problem: Problem,
                 device: dict[str, Any]) -> list[tuple[float, str, tuple[Any, ...]]]:
     """rank() with each configuration as its tuple of values in its space's parameter order
     (Space.value_sets; no dictionary per configuration). Configurations alike in the
-    parameters the cost model reads are priced once (sm90_cutlass: 118,124 prices for its
-    301,612 configurations; sm80_mma: 15,036 for 120,288)."""
+    parameters the cost model reads are priced once (sm90_cutlass: 120,436 prices for its
+    308,276 configurations; sm80_mma: 15,036 for 120,288)."""
     ranked = []
     for name, template in templates.items():
         if template.supports(problem, device["cc"]):
