@@ -84,6 +84,13 @@ REGIONS = {  # a representative problem of each region of a model's shapes
     # 0.74-0.88 of the fastest library call.
     "skinny short-K, tall": (12288, 128, 128),
     "skinny short-K, wide": (128, 12288, 128),
+    # Fewer tiles than SMs with a mid K on a tall or wide output (one side 192-384, the other
+    # 2048-4096, K 2048-12288), where cuBLASLt runs one wave of 64x96 or 128x80 tiles: the
+    # model's picks are swapped tiles that narrow (H100, fp16 nn: 1.024 of the fastest library
+    # call at 4096x192x2048, 0.958 at 3072x384x3072, where the search's picks from the set
+    # without them had run 0.905 and 0.893).
+    "few tiles, mid-K, tall": (3072, 384, 3072),
+    "few tiles, mid-K, thin": (4096, 192, 2048),
 }
 VARIANTS = (("fp16", "nn"), ("bf16", "nt"))  # torch.matmul on fp16, F.linear on bf16
 

@@ -128,6 +128,23 @@ def test_a_skinny_short_k_output_with_a_long_side_finds_a_one_wave_tiling_built(
         assert waves and all(0.75 < w <= 1.0 for w in waves), (name, waves)
 
 
+def test_a_few_tile_output_with_a_mid_k_finds_narrow_swapped_tiles_that_fill_one_wave_built(monkeypatch):
+    # 3072x384 and 4096x192 are 24 and 64 tiles of 128x128 on 132 SMs; cuBLASLt runs one wave
+    # of 128x80 and 64x96 tiles there. The regions' picks are swapped tiles that narrow.
+    regions = {name: prebuilt.REGIONS[name] for name in ("few tiles, mid-K, tall", "few tiles, mid-K, thin")}
+    monkeypatch.setattr(prebuilt, "REGIONS", regions)
+    monkeypatch.setattr(prebuilt, "VARIANTS", (("fp16", "nn"),))
+    entries = prebuilt.kernel_set(90, measured([{"params": sm80(), "speedup_offline": 1.0}]))
+    space = get_template("sm90_cutlass").space
+    for name, shape in regions.items():
+        narrow = [entry.candidate.param_dict for entry in entries if name in entry.why
+                  and entry.candidate.template == "sm90_cutlass" and entry.candidate.param_dict["tile_n"] in (48, 80, 96, 112)]
+        assert narrow, name
+        for params in narrow:
+            assert params["swap_ab"] == "yes" and params["kernel_schedule"] == "warpspecialized"
+            assert 0.8 < space.cost_inputs(params, 90, Problem(*shape), 132)["tiles"] / 132 <= 1.0, (name, params)
+
+
 def test_one_build_serves_every_shape_of_its_dtype_and_layout():
     for name in load_templates():
         candidate = template_candidate(name, {}, 90)
