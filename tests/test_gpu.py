@@ -126,6 +126,14 @@ SM90_CONFIGS = [({}, v) for v in VARIANTS] + [
      ("bf16", "nt")),
     ({"kernel_schedule": "pingpong", "tile_m": "64", "tile_n": "32", "cluster_m": "1", "swap_ab": "yes"},
      ("fp16", "nn")),
+    # The widths that fill one wave of a few-tile output (swapped, a CTA a tile): 48 and 112
+    # with a 128-deep K stage, 80 beside a 2x1 cluster.
+    ({"kernel_schedule": "warpspecialized", "tile_m": "64", "tile_n": "48", "tile_k": "128", "cluster_m": "1",
+      "swap_ab": "yes"}, ("fp16", "nn")),
+    ({"kernel_schedule": "warpspecialized", "tile_m": "128", "tile_n": "80", "cluster_m": "2", "swap_ab": "yes"},
+     ("bf16", "nt")),
+    ({"kernel_schedule": "warpspecialized", "tile_m": "64", "tile_n": "112", "tile_k": "128", "cluster_m": "1",
+      "swap_ab": "yes"}, ("bf16", "nn")),
     # Each tile stored from registers during the next tile's first k-block (16-byte stores after
     # a quad transpose): 2x1 and 1x2 clusters, 128x256, 256x128 (two M repeats of the GMMA per
     # warpgroup) and 128x192 tiles, the even grid.
