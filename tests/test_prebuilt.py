@@ -95,13 +95,18 @@ def test_a_near_best_kernel_of_a_template_that_serves_some_problems_only_is_in_t
     assert (entry.candidate.template, entry.candidate.param_dict, entry.dtype) == ("sm90_splitk", {**splitk, "fixup": "workspace", "epilogue": "smem", "schedule": "tile"}, "fp16")
 
 
+def fp16_nn_set_of(monkeypatch, *names):
+    """Those regions (by name, from prebuilt.REGIONS) and the fp16 nn set of their picks."""
+    regions = {name: prebuilt.REGIONS[name] for name in names}
+    monkeypatch.setattr(prebuilt, "REGIONS", regions)
+    monkeypatch.setattr(prebuilt, "VARIANTS", (("fp16", "nn"),))
+    return regions, prebuilt.kernel_set(90, measured([{"params": sm80(), "speedup_offline": 1.0}]))
+
+
 def test_a_wide_output_of_fewer_tiles_than_sms_and_a_long_k_finds_a_kernel_that_fills_one_wave_built(monkeypatch):
     # 1024x1024 is 64 tiles of 128x128 on 132 SMs: without K cut in two, half the GPU idles;
     # cut in four, the CTAs run in two waves. A time-budgeted run measures only what is built.
-    region = {"wide few tiles, long-K": prebuilt.REGIONS["wide few tiles, long-K"]}
-    monkeypatch.setattr(prebuilt, "REGIONS", region)
-    monkeypatch.setattr(prebuilt, "VARIANTS", (("fp16", "nn"),))
-    entries = prebuilt.kernel_set(90, measured([{"params": sm80(), "speedup_offline": 1.0}]))
+    region, entries = fp16_nn_set_of(monkeypatch, "wide few tiles, long-K")
     m, n, _ = region["wide few tiles, long-K"]
     waves = []
     for entry in entries:
@@ -116,10 +121,7 @@ def test_a_skinny_short_k_output_with_a_long_side_finds_a_one_wave_tiling_built(
     # 12288x128 (and 128x12288) with K = 128: in 128x128 tiles, 96 CTAs stream the long operand
     # on 132 SMs (the shipped rows: 0.74-0.88 of the library); the regions' picks tile it in
     # about one wave of 64-row tiles, swapped where C is tall (its M along the GMMA's N).
-    regions = {name: prebuilt.REGIONS[name] for name in ("skinny short-K, tall", "skinny short-K, wide")}
-    monkeypatch.setattr(prebuilt, "REGIONS", regions)
-    monkeypatch.setattr(prebuilt, "VARIANTS", (("fp16", "nn"),))
-    entries = prebuilt.kernel_set(90, measured([{"params": sm80(), "speedup_offline": 1.0}]))
+    regions, entries = fp16_nn_set_of(monkeypatch, "skinny short-K, tall", "skinny short-K, wide")
     space = get_template("sm90_cutlass").space
     for name, shape in regions.items():
         # the tiles as the space counts them (swapped operands tile C^T)
@@ -131,10 +133,7 @@ def test_a_skinny_short_k_output_with_a_long_side_finds_a_one_wave_tiling_built(
 def test_a_few_tile_output_with_a_mid_k_finds_narrow_swapped_tiles_that_fill_one_wave_built(monkeypatch):
     # 3072x384 and 4096x192 are 24 and 64 tiles of 128x128 on 132 SMs; cuBLASLt runs one wave
     # of 128x80 and 64x96 tiles there. The regions' picks are swapped tiles that narrow.
-    regions = {name: prebuilt.REGIONS[name] for name in ("few tiles, mid-K, tall", "few tiles, mid-K, thin")}
-    monkeypatch.setattr(prebuilt, "REGIONS", regions)
-    monkeypatch.setattr(prebuilt, "VARIANTS", (("fp16", "nn"),))
-    entries = prebuilt.kernel_set(90, measured([{"params": sm80(), "speedup_offline": 1.0}]))
+    regions, entries = fp16_nn_set_of(monkeypatch, "few tiles, mid-K, tall", "few tiles, mid-K, thin")
     space = get_template("sm90_cutlass").space
     for name, shape in regions.items():
         narrow = [entry.candidate.param_dict for entry in entries if name in entry.why
