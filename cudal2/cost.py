@@ -136,7 +136,8 @@ def predict_us(template: Template, params: dict[str, Any], problem: Problem, dev
         latency_us = float(c.get("load_latency_us", LOAD_LATENCY_US))
         latency_s = waves * math.ceil(steps / max(1, int(c["pipeline_stages"]) - 1)) * latency_us * 1e-6
     l2_bytes = tiles * (tm + tn) * problem.k * 2 + (tiles * tm * tn * 4 * 2 if split > 1 else 0)
-    memory_s = max(problem.min_bytes / dram_bandwidth(device), l2_bytes / (L2_BYTES_PER_CLOCK * device["max_sm_clock_mhz"] * 1e6))
+    l2_bandwidth = L2_BYTES_PER_CLOCK * device["max_sm_clock_mhz"] * 1e6
+    memory_s = max(problem.min_bytes / dram_bandwidth(device), l2_bytes / l2_bandwidth)
     # Too few warps on an SM cannot keep enough loads in flight: the memory time stretches
     # by the missing share of OCCUPANCY_WARPS (templates that give `warps` per block).
     if c.get("warps"):

@@ -136,8 +136,8 @@ def test_a_few_tile_output_with_a_mid_k_finds_narrow_swapped_tiles_that_fill_one
     regions, entries = fp16_nn_set_of(monkeypatch, "few tiles, mid-K, tall", "few tiles, mid-K, thin")
     space = get_template("sm90_cutlass").space
     for name, shape in regions.items():
-        narrow = [entry.candidate.param_dict for entry in entries if name in entry.why
-                  and entry.candidate.template == "sm90_cutlass" and entry.candidate.param_dict["tile_n"] in (48, 80, 96, 112)]
+        picks = [e.candidate.param_dict for e in entries if name in e.why and e.candidate.template == "sm90_cutlass"]
+        narrow = [params for params in picks if params["tile_n"] in (48, 80, 96, 112)]
         assert narrow, name
         for params in narrow:
             assert params["swap_ab"] == "yes" and params["kernel_schedule"] == "warpspecialized"
