@@ -397,7 +397,7 @@ def test_narrow_swapped_tiles_fill_one_wave_of_a_few_tile_mid_k_output_on_the_h1
     ran 14.42 us, 0.958 of the fastest library call, where the search's pick from the space
     without them ran 0.893. They pull each 3072-deep panel of A and B through the L2 once per
     tile; the H100's L2 is the H200's (one chip, other HBM), and priced at 2.5x the H100's
-    DRAM bandwidth instead, the model put 128x144 tiles (persistent, 72 tiles) first."""
+    DRAM bandwidth instead, the model put swapped 128x144 tiles (cooperative, 66 tiles) first."""
     template = load_templates()["sm90_cutlass"]
     h100 = {**H200, "memory_clock_khz": 2619000, "memory_bus_bits": 5120}
     problem = Problem(3072, 384, 3072)
