@@ -272,3 +272,30 @@ def test_ship_measurements_adds_new_results_to_what_was_shipped(tmp_path):
                            "template == 'sm80_mma' and params.str.contains('\"split_k\": 1')"],
                           check=True, capture_output=True, text=True)
     assert sorted(_read_part(out).to_pandas()["kernel"]) == ["new", "newer"] and "1 shipped rows dropped" in done.stdout
+
+
+def test_ship_measurements_current_keeps_only_rows_whose_configuration_renders_the_source_measured(tmp_path):
+    """Results of an earlier version join (--current) without the rows of kernels whose code
+    changed since: a row is kept where its configuration renders today the source it was
+    measured with, and left out where it renders another (a free-form kernel is never shipped)."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from cudal2.candidate import Candidate
+    from cudal2.leaderboard import _read_part, source_hash
+    from cudal2.problem import Problem
+    from cudal2.render import get_template, render
+
+    params = get_template("sm80_mma").space.complete({"split_k": 2})
+    today = source_hash(render(Candidate.from_template("sm80_mma", params), Problem(4096, 4096, 4096)))
+    params = json.dumps(params)
+    results, out = tmp_path / "r", tmp_path / "shipped.parquet"
+    Leaderboard(results).append([row("as-today", 1.2, template="sm80_mma", params=params, source_hash=today),
+                                 row("since-changed", 1.3, template="sm80_mma", params=params, source_hash="0" * 64),
+                                 row("free-form", 1.4)])
+    script = [sys.executable, str(Path(__file__).resolve().parent.parent / "scripts" / "ship_measurements.py")]
+    done = subprocess.run([*script, str(results), "--current", "--to", str(out)], check=True, capture_output=True, text=True)
+    assert list(_read_part(out).to_pandas()["kernel"]) == ["as-today"]
+    assert "1 verified template rows left out" in done.stdout  # the free-form one is never shipped
