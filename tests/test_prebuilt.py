@@ -12,7 +12,7 @@ from cudal2 import prebuilt
 from cudal2.cli import app
 from cudal2.compile import Compiler
 from cudal2.cost import predict_us, rank, recorded_device
-from cudal2.leaderboard import shipped
+from cudal2.leaderboard import priors, shipped
 from cudal2.problem import Problem
 from cudal2.render import get_template, load_templates, render, template_candidate
 
@@ -93,6 +93,25 @@ def test_a_near_best_kernel_of_a_template_that_serves_some_problems_only_is_in_t
     [entry] = prebuilt.kernel_set(90, rows, regions=False)
     # (a row recorded before a parameter existed reads as its default)
     assert (entry.candidate.template, entry.candidate.param_dict, entry.dtype) == ("sm90_splitk", {**splitk, "fixup": "workspace", "epilogue": "smem", "schedule": "tile"}, "fp16")
+
+
+def test_the_h100s_shipped_winners_are_built_and_start_an_h100_search():
+    """The shipped measurements hold the H100's rows beside the H200's: what won there is in the
+    sm_90a set (one build serves both GPUs), and an H100 run's search starts from them (its
+    priors), not from nothing. At 768x512x2048 fp16 nn a swapped 64x48 tile, a CTA a tile,
+    measured best on the H100 (1.036 of the fastest library call), where the cost model puts
+    an unswapped 64x64 first."""
+    h100 = "NVIDIA H100 80GB HBM3"
+    rows = shipped(None)
+    narrow = {"swap_ab": "yes", "tile_m": 64, "tile_n": 48, "tile_k": 128, "kernel_schedule": "warpspecialized"}
+    built = [e for e in prebuilt.kernel_set(90, rows, regions=False)
+             if e.candidate.template == "sm90_cutlass" and narrow.items() <= e.candidate.param_dict.items()]
+    assert [(e.dtype, e.layout) for e in built] == [("fp16", "nn")] and "768x512x2048" in built[0].why
+    first = priors(rows.iloc[:0], h100)
+    assert first and {r["gpu"] for r in first} == {h100}
+    here = [r for r in first if (r["m"], r["n"], r["k"]) == (768, 512, 2048)]
+    assert narrow.items() <= json.loads(here[0]["params"]).items()  # its best first
+    assert priors(rows.iloc[:0], "NVIDIA H200") and {r["gpu"] for r in priors(rows.iloc[:0], "NVIDIA H200")} == {"NVIDIA H200"}
 
 
 def fp16_nn_set_of(monkeypatch, *names):
