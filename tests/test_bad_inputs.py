@@ -70,7 +70,9 @@ SWEEP = [
     (("leaderboard", "--results", "{under_file}"), "is a file"),
     # shipped-format rows (no kernel source) in a results directory: refused, not sources/nan.cu
     (("leaderboard", "--results", "{shipped}", "--export"), "has no stored source"),
-    (("export", "--library", "{empty}/lib", "--results", "{shipped}"), "has no stored source"),
+    (("export", "--library", "{empty}/lib", "--results", "{shipped}", "--gpu", "NVIDIA H200"), "has no stored source"),
+    # one library is one GPU's: rows of several (the shipped H200 and H100 rows) need --gpu
+    (("export", "--library", "{empty}/lib", "--results", "{shipped}"), "the rows are of 2 GPUs"),
     (("check", "--results", "{shipped}"), "has no stored source"),
     (("leaderboard", "--export"), "keep no kernel sources"),  # the shipped rows shown for an empty directory
 ]
