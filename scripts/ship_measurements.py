@@ -41,8 +41,8 @@ def current(rows: pd.DataFrame) -> pd.DataFrame:
         problem = Problem(int(row["m"]), int(row["n"]), int(row["k"]), row["dtype"], row["layout"])
         return source_hash(render(Candidate.from_template(row["template"], params), problem)) == row["source_hash"]
 
-    keep = [row["status"] == "ok" and renders_alike(row) for row in rows.to_dict("records")]
-    return rows[keep]
+    verified = rows[(rows["status"] == "ok") & rows["template"].notna()]  # what compact() would ship
+    return verified[[renders_alike(row) for row in verified.to_dict("records")]]
 
 
 parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
