@@ -81,6 +81,16 @@ def cache_holding(path: Path, compiler: Compiler, sources: list[str]) -> Compile
     return own
 
 
+def benchmark_script(name: str):
+    """benchmarks/<name>.py loaded as a module (the folder is scripts, not a package)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(name, ROOT / "benchmarks" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
 def fixture_source(variant: str) -> str:
     """tests/kernels/simt.cu.j2 rendered as `variant` (honest, or one way to cheat)."""
     env = jinja2.Environment(loader=jinja2.FileSystemLoader(FIXTURES), undefined=jinja2.StrictUndefined,

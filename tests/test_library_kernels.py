@@ -1,18 +1,12 @@
 """benchmarks/library_kernels.py: what the library runs at a problem, its nvjet kernels' designs
 decoded from their names (the names below are what torch.matmul ran on an H100, fp16 nn)."""
 
-import importlib.util
-from pathlib import Path
-
 import pytest
+from conftest import benchmark_script
 
 
 def _tool():
-    path = Path(__file__).resolve().parents[1] / "benchmarks" / "library_kernels.py"
-    spec = importlib.util.spec_from_file_location("library_kernels", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return benchmark_script("library_kernels")
 
 
 def test_an_nvjet_name_gives_its_tile_stages_cluster_and_split():

@@ -8,6 +8,7 @@ from __future__ import annotations
 import re
 
 import pytest
+from conftest import benchmark_script
 
 from cudal2.errors import Cudal2Error
 from cudal2.problem import Problem
@@ -159,14 +160,7 @@ def test_the_direct_epilogue_builds_in_the_shared_memory_its_space_declares(comp
 
 
 def _timeline():
-    import importlib.util
-    from pathlib import Path
-
-    path = Path(__file__).resolve().parents[1] / "benchmarks" / "splitk_timeline.py"
-    spec = importlib.util.spec_from_file_location("splitk_timeline", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return benchmark_script("splitk_timeline")
 
 
 TIMELINE_CASES = [  # several clusters a tile; one cluster; no cluster, the producer one of the multiplying threads
