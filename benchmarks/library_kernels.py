@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import json
 import re
+import statistics
 import tempfile
 from pathlib import Path
 
@@ -59,6 +60,8 @@ def profile_matmul(m: int, n: int, k: int, dtype: str = "fp16", layout: str = "n
             a, b = sets[i % len(sets)]
             torch.matmul(a, b)
         torch.cuda.synchronize()
+    # The launch shapes (grid, block, shared memory, registers) are in Kineto's trace only, not in
+    # the profiler's FunctionEvents (which scripts/remeasure.py reads for times alone).
     with tempfile.TemporaryDirectory() as tmp:
         trace = Path(tmp) / "trace.json"
         prof.export_chrome_trace(str(trace))
@@ -71,10 +74,9 @@ def profile_matmul(m: int, n: int, k: int, dtype: str = "fp16", layout: str = "n
         launches.setdefault(key, []).append(float(event["dur"]))
     rows = []
     for (name, grid, block, smem, registers), durations in launches.items():
-        durations.sort()
         rows.append({"shape": f"{m}x{n}x{k}", "dtype": dtype, "layout": layout, "name": name, "grid": grid,
                      "block": block, "smem": smem, "registers": registers, "calls": len(durations),
-                     "median_us": durations[len(durations) // 2], "design": nvjet_design(name)})
+                     "median_us": statistics.median(durations), "design": nvjet_design(name)})
     return rows
 
 
