@@ -69,7 +69,10 @@ def with_probes(source: str) -> str:
     # the consumers' wait for a stage is the file's last
     after("Barrier::wait(&full[stage], (kt / STAGES) & 1);\n",
           "      if (kt == 0 && tid == 0) timeline[1] = timeline_now();\n", last=True)
-    after("    warpgroup_wait<0>();\n    warpgroup_fence_operand(acc);\n  }\n", "  if (tid == 0) timeline[2] = timeline_now();\n")
+    # the mainloop's end: inside the warpgroups' branch with a producer warp, else after the loop
+    warp = "    warpgroup_wait<0>();\n    warpgroup_fence_operand(acc);\n  }\n"
+    after(warp if warp in source else "  warpgroup_wait<0>();\n  warpgroup_fence_operand(acc);\n",
+          "  if (tid == 0) timeline[2] = timeline_now();\n")
     if "epilogue=direct" not in source:  # (the direct store parks nothing: no phase between mainloop and end)
         after("  cluster.sync();\n" if "cg::this_cluster()" in source else "  __syncthreads();\n  constexpr int rank = 0;\n",
               "  if (tid == 0) timeline[3] = timeline_now();\n")

@@ -159,3 +159,38 @@ def test_persistent_ctas_walk_more_tiles_than_they_hold(compiler, params, dtype,
     shapes = ((4096, 4096, 64), (3000, 2056, 136), (8192, 1024, 128), (33, 24, 2056))
     failures = verifier_failures(kernel, shapes, dtype, layout, seed=12)
     assert not failures, "\n".join(failures)
+
+
+# n_parts: a CTA a tile whose columns are multiplied a part at a time from the same stages, each
+# part stored while the next multiplies (the whole K in the stages, those past K zero-filled).
+PARTS = ({**WIDE_DIRECT, "stages": "4", "n_parts": "2"}, {**WIDE_DIRECT, "stages": "4", "n_parts": "4"},
+         {**WIDE_DIRECT, "block_m": "192", "block_n": "192", "stages": "3", "n_parts": "3"},
+         {**WIDE_DIRECT, "block_m": "64", "block_n": "128", "stages": "2", "n_parts": "2"})
+
+
+@pytest.mark.parametrize("params", PARTS, ids=["128x256-2", "128x256-4", "192x192-3", "64x128-2"])
+@pytest.mark.parametrize("dtype, layout", VARIANTS)
+def test_a_tile_in_column_parts_is_right_for_every_k_its_stages_hold(compiler, params, dtype, layout):
+    """K filling the stages, K of fewer K tiles than stages (the rest zeros), a partial last K
+    tile, edges cut by the tile and by its parts, more tiles than a wave: every output passes
+    the verifier; under nt, rows of any length. A K beyond the stages is declined, C untouched."""
+    import cupy
+
+    kernel = build(compiler, params, dtype, layout)
+    depth = int(params["stages"]) * 64
+    shapes = [(3072, 1024, depth), (1000, 1000, depth - 56), (257, 248, 64), (4096, 2048, depth - 64), (33, 24, 8)]
+    if layout == "nt":
+        shapes.append((100, 1001, depth - 8))
+    failures = verifier_failures(kernel, shapes, dtype, layout, seed=13)
+    assert not failures, "\n".join(failures)
+    rng, stream = random.Random(14), cupy.cuda.Stream(non_blocking=True)
+    with stream:
+        problem = Problem(256, 256, depth + 64, dtype, layout)
+        ops = Operands(problem, kernel.workspace_bytes(problem.m, problem.n, problem.k), Numerics(dtype))
+        ops.fill("normal", rng)
+        ops.poison(rng)
+        assert ops.call(kernel, stream) != 0
+        stream.synchronize()
+        assert bool((ops.c.view(cupy.uint16) == 0xFFFF).all()), "C changed"
+        assert not ops.stray_writes()
+

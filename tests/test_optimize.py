@@ -1440,7 +1440,7 @@ def test_the_search_measures_one_of_the_caps_that_launch_alike():
     launched = [json.dumps(splitk.space.launched(c.param_dict, 90, p, 132), sort_keys=True) for c in picks]
     assert len(set(launched)) == len(picks) == 16
     best = {"block_m": 128, "block_n": 128, "stages": 6, "producer": "warp", "split_k": 1, "k_clusters": 4,
-            "epilogue": "smem", "fixup": "spread", "schedule": "tile"}
+            "epilogue": "smem", "fixup": "spread", "schedule": "tile", "n_parts": 1}
     assert splitk.space.launched({**best, "k_clusters": 128}, 90, p, 132) == best
     cand = Candidate.from_template("sm90_splitk", best)
     history = [{"status": "ok", "template": "sm90_splitk", "params": cand.params_json, "offline_us": 31.0, "kernel": "b"}]

@@ -92,7 +92,7 @@ def test_a_near_best_kernel_of_a_template_that_serves_some_problems_only_is_in_t
                       "m": 2048, "n": 64, "k": 16384}])
     [entry] = prebuilt.kernel_set(90, rows, regions=False)
     # (a row recorded before a parameter existed reads as its default)
-    assert (entry.candidate.template, entry.candidate.param_dict, entry.dtype) == ("sm90_splitk", {**splitk, "fixup": "workspace", "epilogue": "smem", "schedule": "tile"}, "fp16")
+    assert (entry.candidate.template, entry.candidate.param_dict, entry.dtype) == ("sm90_splitk", {**splitk, "fixup": "workspace", "epilogue": "smem", "schedule": "tile", "n_parts": 1}, "fp16")
 
 
 def test_the_h100s_shipped_winners_are_built_and_start_an_h100_search():

@@ -79,7 +79,7 @@ def test_a_short_k_on_a_small_output_takes_the_direct_epilogue_alone():
     problem = Problem(1024, 1024, 64)
     assert SPACE.admits(problem)
     one = {"block_m": 64, "block_n": 128, "stages": 2, "split_k": 1, "k_clusters": 1, "fixup": "workspace", "producer": "warp",
-           "schedule": "tile"}
+           "schedule": "tile", "n_parts": 1}
     assert predict_us(template, {**one, "epilogue": "direct"}, problem, device) < 10
     assert predict_us(template, {**one, "epilogue": "smem"}, problem, device) == float("inf")
     # Where both run (a long K without a split), the smem pass is priced: a microsecond a round
@@ -233,7 +233,7 @@ def test_the_persistent_schedule_serves_a_short_k_up_to_4096_squared_and_refuses
     from cudal2.cost import predict_us
 
     one = {"block_m": 64, "block_n": 128, "stages": 4, "split_k": 1, "k_clusters": 1, "fixup": "workspace",
-           "producer": "warp", "epilogue": "direct", "schedule": "persistent"}
+           "producer": "warp", "epilogue": "direct", "schedule": "persistent", "n_parts": 1}
     assert SPACE.resolve(one, 90, "sm90_splitk") == one
     for broken in ({"epilogue": "smem"}, {"producer": "thread"}, {"block_m": 128, "block_n": 256}, {"block_m": 192}):
         with pytest.raises(Cudal2Error, match="schedule == 'tile'"):
@@ -258,6 +258,46 @@ def test_every_configuration_the_gpu_suite_builds_is_one_the_space_admits():
     import test_gpu_sm90_splitk as gpu
 
     configurations = [params for _, params, *_ in gpu.CASES]
-    configurations += [gpu.SMALL, gpu.SMALL_WARP, *gpu.ATOMIC, *gpu.SPREAD, *gpu.DIRECT_EPILOGUE, *gpu.PERSISTENT]
+    configurations += [gpu.SMALL, gpu.SMALL_WARP, *gpu.ATOMIC, *gpu.SPREAD, *gpu.DIRECT_EPILOGUE, *gpu.PERSISTENT, *gpu.PARTS]
     for params in configurations:
         template_candidate("sm90_splitk", params, 90)
+
+
+def test_a_tile_in_column_parts_takes_a_short_k_that_fills_its_stages():
+    """n_parts > 1: a CTA a tile (no split, the direct store, a producer warp), parts of whole
+    64-column chunks of B, offered where K fills the stages (its multiplies run them all)."""
+    parts = {"block_m": 128, "block_n": 256, "stages": 4, "split_k": 1, "k_clusters": 1, "fixup": "workspace",
+             "producer": "warp", "epilogue": "direct", "schedule": "tile", "n_parts": 2}
+    assert SPACE.resolve(parts, 90, "sm90_splitk") == parts
+    assert SPACE.resolve({**parts, "n_parts": 4}, 90, "sm90_splitk")["n_parts"] == 4
+    for broken in ({"n_parts": 3}, {"block_n": 192, "n_parts": 2}, {"epilogue": "smem"}, {"schedule": "persistent"},
+                   {"producer": "thread"}, {"split_k": 2, "epilogue": "smem"}):
+        with pytest.raises(Cudal2Error):
+            SPACE.resolve({**parts, **broken}, 90, "sm90_splitk")
+    two = {**parts, "stages": 2}
+    inputs = lambda params, k: SPACE.cost_inputs(params, 90, Problem(2048, 2048, k), 132)["requires"]
+    assert inputs(two, 128) and inputs(two, 72)
+    assert not inputs(two, 64) and not inputs(two, 136)  # a stage left empty; K beyond them
+    assert inputs({**two, "n_parts": 1}, 64)
+    source = get_template("sm90_splitk").render(parts, Problem(3072, 1024, 256))
+    assert "n_parts=2" in source and "if (K > STAGES * BK) return 6;" in source
+    assert source.count("store_tile(words, bm, bn + ") == 2
+
+
+@pytest.mark.nvcc
+@pytest.mark.slow  # two CuTe TMA + GMMA builds
+@pytest.mark.parametrize("params", [
+    {"block_m": "192", "block_n": "128", "stages": "4", "split_k": "1", "k_clusters": "1", "producer": "warp",
+     "epilogue": "direct", "n_parts": "2"},
+    {"block_m": "64", "block_n": "64", "stages": "4", "split_k": "1", "k_clusters": "128", "producer": "warp",
+     "fixup": "spread"},
+], ids=["parts", "spread"])
+def test_ptxas_keeps_the_mainloops_gmmas_asynchronous(compiler, params):
+    """ptxas serializes GMMAs it cannot prove safe to run ahead and says so (C7515-C7520: a wait
+    after divergent branches rejoin, plain register writes to accumulators in flight, a loop of
+    run-time length around them); every producer-warp kernel of the family once built so."""
+    build = compiler.compile(render(template_candidate("sm90_splitk", params, 90), Problem(1, 1, 1, "fp16", "nn")))
+    assert build.status == "ok", build.log[-3000:]
+    assert build.spill_bytes == 0
+    assert not re.findall(r"\(C75(?:1[5-9]|20)\)", build.log), build.log[-3000:]
+
