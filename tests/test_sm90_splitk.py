@@ -249,6 +249,8 @@ def test_the_persistent_schedule_serves_a_short_k_up_to_4096_squared_and_refuses
         assert predict_us(template, one, Problem(*shape), device) == float("inf")
     source = template.render(one, small)
     assert "resident_ctas" in source and "t += (int)gridDim.x" in source
+    # consecutive tiles along N: the tiles stored side by side cover whole rows of C
+    assert "const int tbm = (t / tiles_n) * BM, tbn = (t % tiles_n) * BN;" in source
     assert "resident_ctas" not in template.render({**one, "schedule": "tile"}, small)
 
 
