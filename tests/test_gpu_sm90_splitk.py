@@ -8,7 +8,7 @@ graph replays and calls of other shapes; with the atomic fixup (the clusters add
 fp32 sum in static memory) the same, the sums zero again after every call; with the spread
 fixup (the clusters park their sums, wait for each other and each sum a share of the tile) the
 same, to the bit from call to call, the barriers' counters ready for the next call; tiles of
-192 rows (three warpgroups) or 192 columns alike. Run with `pytest -m gpu`."""
+192 rows (three warpgroups), 256 rows (four) or 192 columns alike. Run with `pytest -m gpu`."""
 
 from __future__ import annotations
 
@@ -62,7 +62,9 @@ DIRECT_SPREAD = {**DIRECT_ATOMIC, "fixup": "spread"}
 SMALL_SPREAD = {**SMALL_ATOMIC, "fixup": "spread"}
 LARGE_SPREAD = {**LARGE_ATOMIC, "fixup": "spread"}
 WIDE_SPREAD = {"block_m": "192", "block_n": "128", "stages": "4", "split_k": "2", "k_clusters": "8", "fixup": "spread"}
-SPREAD = (DIRECT_SPREAD, SMALL_SPREAD, LARGE_SPREAD, WIDE_SPREAD)
+# Four warpgroups (256 rows) and a producer warp, in pairs.
+TALL_SPREAD = {**WIDE_SPREAD, "block_m": "256", "producer": "warp"}
+SPREAD = (DIRECT_SPREAD, SMALL_SPREAD, LARGE_SPREAD, WIDE_SPREAD, TALL_SPREAD)
 # Without a split, the tile stored straight from the accumulators (16-byte row chunks after a
 # quad's transpose): two warpgroups on a 128x256 tile in two stages, and one on 64x64.
 WIDE_DIRECT = {"block_m": "128", "block_n": "256", "stages": "2", "split_k": "1", "k_clusters": "1",
@@ -76,6 +78,7 @@ CASES = ([("64x64", SMALL, *v) for v in VARIANTS] + [("128x128", LARGE, *v) for 
          + [("64x64-spread-direct", DIRECT_SPREAD, *v) for v in VARIANTS]
          + [("64x64-spread", SMALL_SPREAD, *v) for v in VARIANTS] + [("128x128-spread", LARGE_SPREAD, *v) for v in VARIANTS]
          + [("128x192-atomic", WIDE_ATOMIC, *v) for v in VARIANTS] + [("192x128-spread", WIDE_SPREAD, *v) for v in VARIANTS]
+         + [("256x128-spread", TALL_SPREAD, *v) for v in VARIANTS]
          + [("128x256-direct", WIDE_DIRECT, *v) for v in VARIANTS] + [("64x64-direct", SMALL_DIRECT, *v) for v in VARIANTS])
 
 
@@ -144,12 +147,14 @@ def test_the_direct_epilogue_writes_rows_of_any_length_under_nt(compiler, params
 
 # schedule=persistent: one wave of CTAs walking the tiles, each tile stored from registers while
 # the producer warp loads the next one's K tiles.
-# (128x256 is refused persistent: it spills; 128x128 in four stages is the schedule's measured best)
+# (128x256 is refused persistent: it spills; 128x128 in four stages is the schedule's measured best;
+# 256x128 is four warpgroups)
 PERSISTENT = ({**WIDE_DIRECT, "block_n": "128", "stages": "4", "schedule": "persistent"},
-              {**SMALL_DIRECT, "schedule": "persistent"})
+              {**SMALL_DIRECT, "schedule": "persistent"},
+              {**WIDE_DIRECT, "block_m": "256", "block_n": "128", "stages": "4", "schedule": "persistent"})
 
 
-@pytest.mark.parametrize("params", PERSISTENT, ids=["128x128", "64x64"])
+@pytest.mark.parametrize("params", PERSISTENT, ids=["128x128", "64x64", "256x128"])
 @pytest.mark.parametrize("dtype, layout", VARIANTS)
 def test_persistent_ctas_walk_more_tiles_than_they_hold(compiler, params, dtype, layout):
     """More tiles than the wave holds (4096x4096 in 64x64 tiles: 4,096 over a few hundred CTAs),
@@ -165,10 +170,11 @@ def test_persistent_ctas_walk_more_tiles_than_they_hold(compiler, params, dtype,
 # part stored while the next multiplies (the whole K in the stages, those past K zero-filled).
 PARTS = ({**WIDE_DIRECT, "stages": "4", "n_parts": "2"}, {**WIDE_DIRECT, "stages": "4", "n_parts": "4"},
          {**WIDE_DIRECT, "block_m": "192", "block_n": "192", "stages": "3", "n_parts": "3"},
-         {**WIDE_DIRECT, "block_m": "64", "block_n": "128", "stages": "2", "n_parts": "2"})
+         {**WIDE_DIRECT, "block_m": "64", "block_n": "128", "stages": "2", "n_parts": "2"},
+         {**WIDE_DIRECT, "block_m": "256", "block_n": "128", "stages": "3", "n_parts": "2"})
 
 
-@pytest.mark.parametrize("params", PARTS, ids=["128x256-2", "128x256-4", "192x192-3", "64x128-2"])
+@pytest.mark.parametrize("params", PARTS, ids=["128x256-2", "128x256-4", "192x192-3", "64x128-2", "256x128-2"])
 @pytest.mark.parametrize("dtype, layout", VARIANTS)
 def test_a_tile_in_column_parts_is_right_for_every_k_its_stages_hold(compiler, params, dtype, layout):
     """K filling the stages, K of fewer K tiles than stages (the rest zeros), a partial last K
