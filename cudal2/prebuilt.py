@@ -8,6 +8,7 @@ shape of its dtype and layout. The set is
 - every configuration that measured within 2% of the best on some problem (each problem and
   protocol compared within itself), on a GPU of this architecture, in the measurements
   given (the shipped ones and the results directory's), in that problem's dtype and layout;
+  of those that launch alike on that problem (Space.launched: caps above its need), the fastest;
 - the cost model's PER_REGION best in each region a model's shapes fall in (tiny, decode
   at 1-8 tokens and at 16, split-K, large, unaligned, and those of the CUDA-L2 grid the library wins: short K, skinny
   outputs), configurations it prices apart, for fp16 nn and bf16 nt, where a device of this
@@ -128,10 +129,18 @@ def kernel_set(cc: int, measured: pd.DataFrame, regions: bool = True,
     rows = measured[(measured["status"] == "ok") & (measured["cc"] == cc) & measured["template"].notna()
                     & measured["speedup_offline"].notna()]
     for (m, n, k, dtype, layout, protocol), group in rows.groupby(["m", "n", "k", "dtype", "layout", "protocol"]):
-        best = group["speedup_offline"].max()
-        for row in group[group["speedup_offline"] >= NEAR_BEST * best].to_dict("records"):
+        best, problem = group["speedup_offline"].max(), Problem(m, n, k, dtype, layout)
+        # Configurations that launch alike on this problem (caps above its need: Space.launched)
+        # ran the same kernel work there: the fastest of them is built, not each.
+        launched: set[tuple[str, str]] = set()
+        near = group[group["speedup_offline"] >= NEAR_BEST * best].sort_values("speedup_offline", ascending=False)
+        for row in near.to_dict("records"):
             if row["template"] in templates and (params := recorded_params(row, templates)) is not None:
-                add(row["template"], params, Problem(m, n, k, dtype, layout),
+                work = templates[row["template"]].space.launched(params, cc, problem, int(row["sm_count"]))
+                if (row["template"], json.dumps(work, sort_keys=True)) in launched:
+                    continue
+                launched.add((row["template"], json.dumps(work, sort_keys=True)))
+                add(row["template"], params, problem,
                     f"{row['speedup_offline'] / best:.3f} of the best at {m}x{n}x{k} {dtype} {layout} ({protocol})")
     gpus = [g for g in rows["gpu"].dropna().unique() if g in RECORDED_MEMORY]
     if gpus and regions:

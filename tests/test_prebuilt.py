@@ -95,6 +95,18 @@ def test_a_near_best_kernel_of_a_template_that_serves_some_problems_only_is_in_t
     assert (entry.candidate.template, entry.candidate.param_dict, entry.dtype) == ("sm90_splitk", {**splitk, "fixup": "workspace", "epilogue": "smem", "schedule": "tile", "n_parts": 1}, "fp16")
 
 
+def test_caps_that_launch_alike_on_the_problem_that_put_them_there_are_built_once():
+    """sm90_splitk's k_clusters is a cap: at 256x1024x14336 one wave holds 8 clusters of each of
+    the 16 tiles of 128x128, so caps 8, 16 and 32 ran the same kernel work there (measured within
+    2% of each other, a single build's noise). The fastest of them is built, not all three; a cap
+    that launches fewer clusters there is a kernel of its own."""
+    spread = {"block_m": 128, "block_n": 128, "stages": 4, "producer": "warp", "split_k": 1, "fixup": "spread"}
+    rows = measured([{"template": "sm90_splitk", "params": json.dumps({**spread, "k_clusters": cap}), "speedup_offline": s,
+                      "m": 256, "n": 1024, "k": 14336} for cap, s in ((32, 0.86), (8, 0.858), (16, 0.852), (4, 0.855))])
+    caps = sorted(e.candidate.param_dict["k_clusters"] for e in prebuilt.kernel_set(90, rows, regions=False))
+    assert caps == [4, 32]
+
+
 def test_the_h100s_shipped_winners_are_built_and_start_an_h100_search():
     """The shipped measurements hold the H100's rows beside the H200's: what won there is in the
     sm_90a set (one build serves both GPUs), and an H100 run's search starts from them (its
