@@ -136,10 +136,11 @@ def kernel_set(cc: int, measured: pd.DataFrame, regions: bool = True,
         near = group[group["speedup_offline"] >= NEAR_BEST * best].sort_values("speedup_offline", ascending=False)
         for row in near.to_dict("records"):
             if row["template"] in templates and (params := recorded_params(row, templates)) is not None:
-                work = templates[row["template"]].space.launched(params, cc, problem, int(row["sm_count"]))
-                if (row["template"], json.dumps(work, sort_keys=True)) in launched:
+                space = templates[row["template"]].space
+                work = (row["template"], space.launch_key(params, cc, problem, int(row["sm_count"])))
+                if work in launched:
                     continue
-                launched.add((row["template"], json.dumps(work, sort_keys=True)))
+                launched.add(work)
                 add(row["template"], params, problem,
                     f"{row['speedup_offline'] / best:.3f} of the best at {m}x{n}x{k} {dtype} {layout} ({protocol})")
     gpus = [g for g in rows["gpu"].dropna().unique() if g in RECORDED_MEMORY]

@@ -250,8 +250,7 @@ class SearchProposer:
             # What the configuration runs on this problem (Space.launched): caps above its need
             # launch alike, and one measurement of them tells all.
             space = self.templates[name].space
-            return name, json.dumps(space.launched(params, self.device["cc"], problem, self.device["sm_count"]),
-                                    sort_keys=True)
+            return name, space.launch_key(params, self.device["cc"], problem, self.device["sm_count"])
 
         ran = {launched(row["template"], params) for row in history
                if row.get("template") in self.templates and (params := recorded_params(row, self.templates))}

@@ -230,6 +230,11 @@ class Space:
                  "layout": problem.layout, "sm_count": sm_count}
         return {**params, **{name: _evaluate(expr, names) for name, expr in self.launch.items()}}
 
+    def launch_key(self, params: dict[str, Any], cc: int, problem: Problem, sm_count: int) -> str:
+        """launched() as one comparable string: configurations of this space with equal keys run
+        the same kernel work on `problem`."""
+        return json.dumps(self.launched(params, cc, problem, sm_count), sort_keys=True)
+
     def violations(self, params: dict[str, Any], cc: int) -> list[str]:
         names = self.facts(params, cc)
         return [rule for rule in self.constraints if not _evaluate(rule, names)]
