@@ -254,6 +254,42 @@ def test_the_persistent_schedule_serves_a_short_k_up_to_4096_squared_and_refuses
     assert "resident_ctas" not in template.render({**one, "schedule": "tile"}, small)
 
 
+def test_the_tma_epilogue_stores_a_persistent_tile_through_shared_memory_once_its_slab_is_free():
+    """epilogue=tma: a persistent CTA's warpgroups write their rows to shared memory (stmatrix)
+    and one thread each stores them by TMA, waiting for the slab's previous store to have read
+    it first and for the last one before the CTA ends. Its shared memory holds the 16-bit tile
+    beside the stages; a CTA a tile would wait for its own store at its end, so only the
+    persistent schedule takes it; the other epilogues render no C descriptor."""
+    tma = {"block_m": 128, "block_n": 128, "stages": 4, "split_k": 1, "k_clusters": 1, "fixup": "workspace",
+           "producer": "warp", "epilogue": "tma", "schedule": "persistent", "n_parts": 1}
+    assert SPACE.resolve(tma, 90, "sm90_splitk") == tma
+    direct = {**tma, "epilogue": "direct"}
+    assert SPACE.facts(tma, 90)["smem_bytes"] == SPACE.facts(direct, 90)["smem_bytes"] + 128 * 128 * 2
+    with pytest.raises(Cudal2Error, match="schedule == 'persistent'"):
+        SPACE.resolve({**tma, "schedule": "tile"}, 90, "sm90_splitk")
+    template = get_template("sm90_splitk")
+    source = template.render(tma, Problem(4096, 4096, 128))
+    loop = source[source.index("for (int t = (int)blockIdx.x; t < tiles; t += (int)gridDim.x) {\n      const int tbm"):]
+    loop = loop[:loop.index("return;")]  # the persistent consumers' loop and its end
+    order = [loop.index(s) for s in ("tma_store_wait<0>()", "SM90_U32x4_STSM_N::copy", "tma_store_fence()",
+                                     "copy(tma_c,", "tma_store_arrive()")]
+    assert order == sorted(order)
+    assert loop.count("tma_store_wait<0>()") == 2  # before the slab is written again, and before the CTA ends
+    assert "gemm_kernel<TmaA, TmaB, TmaC>" in source and "store_tile(words" not in loop
+    assert "TmaC" not in template.render(direct, Problem(4096, 4096, 128))
+
+
+@pytest.mark.nvcc  # one CuTe TMA + GMMA build: about a minute of one core
+def test_the_tma_epilogue_builds_without_spills_in_the_shared_memory_its_space_declares(compiler):
+    params = {"block_m": "128", "block_n": "128", "stages": "4", "split_k": "1", "k_clusters": "1",
+              "producer": "warp", "epilogue": "tma", "schedule": "persistent"}
+    build = compiler.compile(render(template_candidate("sm90_splitk", params, 90), Problem(1, 1, 1, "bf16", "nt")))
+    assert build.status == "ok", build.log[-3000:]
+    assert build.spill_bytes == 0 and forbidden_imports(build.imports) == []
+    assert not re.findall(r"\(C75(?:1[5-9]|20)\)", build.log), build.log[-3000:]
+    assert build.declared["dynamic_smem_bytes"] == SPACE.facts(SPACE.resolve(params, 90, "sm90_splitk"), 90)["smem_bytes"]
+
+
 def test_every_configuration_the_gpu_suite_builds_is_one_the_space_admits():
     """The GPU tests run on the device only; a configuration the space has since refused fails
     there at its check, not at the kernel. Caught here (the persistent 128x256 case was one)."""
