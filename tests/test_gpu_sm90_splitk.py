@@ -147,19 +147,26 @@ def test_the_direct_epilogue_writes_rows_of_any_length_under_nt(compiler, params
 
 # schedule=persistent: one wave of CTAs walking the tiles, each tile stored from registers while
 # the producer warp loads the next one's K tiles.
-# (128x256 is refused persistent: it spills; 128x128 in four stages is the schedule's measured best;
-# 256x128 is four warpgroups)
+# (128x256 is refused persistent with a producer warp: it spills; 128x128 in four stages is the
+# schedule's measured best; 256x128 is four warpgroups)
 # epilogue=tma: each warpgroup's rows through shared memory (stmatrix) and stored by TMA, which
 # clips the edges; rows of C that are not whole 16-byte units are stored a value at a time.
+# producer=warpgroup: the loads from a warpgroup of their own, whose registers go to the
+# multiplying warpgroups (setmaxnreg): 128x256 (two of them at 232 registers) and 256x128 (four
+# at 112).
 PERSISTENT = ({**WIDE_DIRECT, "block_n": "128", "stages": "4", "schedule": "persistent"},
               {**SMALL_DIRECT, "schedule": "persistent"},
               {**WIDE_DIRECT, "block_m": "256", "block_n": "128", "stages": "4", "schedule": "persistent"},
               {**WIDE_DIRECT, "block_n": "128", "stages": "4", "schedule": "persistent", "epilogue": "tma"},
               {**SMALL_DIRECT, "block_n": "128", "stages": "2", "schedule": "persistent", "epilogue": "tma"},
-              {**WIDE_DIRECT, "block_m": "256", "block_n": "128", "stages": "3", "schedule": "persistent", "epilogue": "tma"})
+              {**WIDE_DIRECT, "block_m": "256", "block_n": "128", "stages": "3", "schedule": "persistent", "epilogue": "tma"},
+              {**WIDE_DIRECT, "stages": "3", "schedule": "persistent", "epilogue": "tma", "producer": "warpgroup"},
+              {**WIDE_DIRECT, "block_m": "256", "block_n": "128", "stages": "4", "schedule": "persistent",
+               "producer": "warpgroup"})
 
 
-@pytest.mark.parametrize("params", PERSISTENT, ids=["128x128", "64x64", "256x128", "128x128-tma", "64x128-tma", "256x128-tma"])
+@pytest.mark.parametrize("params", PERSISTENT, ids=["128x128", "64x64", "256x128", "128x128-tma", "64x128-tma", "256x128-tma",
+                                                    "128x256-tma-wg", "256x128-wg"])
 @pytest.mark.parametrize("dtype, layout", VARIANTS)
 def test_persistent_ctas_walk_more_tiles_than_they_hold(compiler, params, dtype, layout):
     """More tiles than the wave holds (4096x4096 in 64x64 tiles: 4,096 over a few hundred CTAs),

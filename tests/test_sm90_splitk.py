@@ -290,6 +290,52 @@ def test_the_tma_epilogue_builds_without_spills_in_the_shared_memory_its_space_d
     assert build.declared["dynamic_smem_bytes"] == SPACE.facts(SPACE.resolve(params, 90, "sm90_splitk"), 90)["smem_bytes"]
 
 
+def test_a_producer_warpgroup_hands_its_registers_to_the_multiplying_warpgroups():
+    """producer=warpgroup: the loads' warp in a warpgroup of its own, which gives up its registers
+    (setmaxnreg) before it loads and the multiplying warpgroups take them before they multiply;
+    only for the persistent tiles that outgrow a thread's share beside a producer warp (128x256,
+    256x128), one CTA an SM. The CTA's register pool is what its launch count gives every thread:
+    what the warpgroups take must fit it."""
+    wg = {"block_m": 128, "block_n": 256, "stages": 3, "split_k": 1, "k_clusters": 1, "fixup": "workspace",
+          "producer": "warpgroup", "epilogue": "tma", "schedule": "persistent", "n_parts": 1}
+    assert SPACE.resolve(wg, 90, "sm90_splitk") == wg
+    with pytest.raises(Cudal2Error, match="producer != 'warpgroup'"):
+        SPACE.resolve({**wg, "block_n": 128}, 90, "sm90_splitk")  # 128x128 fits beside a warp
+    with pytest.raises(Cudal2Error, match="producer != 'warpgroup'"):
+        SPACE.resolve({**wg, "schedule": "tile", "epilogue": "direct"}, 90, "sm90_splitk")
+    with pytest.raises(Cudal2Error, match="schedule == 'tile'"):
+        SPACE.resolve({**wg, "producer": "warp"}, 90, "sm90_splitk")  # 128x256 persistent spills beside a warp
+    problem = Problem(4096, 4096, 128)
+    assert SPACE.cost_inputs(wg, 90, problem, 132)["ctas_per_sm"] == 1
+    source = get_template("sm90_splitk").render(wg, problem)
+    loop = source[source.index("if (tid >= CONSUMERS) {\n      cutlass::arch::warpgroup_reg_dealloc"):]
+    order = [loop.index(s) for s in ("warpgroup_reg_dealloc<PRODUCER_REGS>()", "if (tid == CONSUMERS)", "return;",
+                                     "warpgroup_reg_alloc<CONSUMER_REGS>()", "warpgroup_arrive()")]
+    assert order == sorted(order)
+    assert "constexpr int THREADS = CONSUMERS + 128;" in source
+    for block_m, threads, producer, consumer in ((128, 384, 40, 232), (256, 640, 24, 112)):
+        launch = 65536 // threads // 8 * 8
+        assert f"WARPGROUPS > 2 ? 24 : 40" in source and producer == (24 if block_m > 128 else 40)
+        assert consumer == (launch * threads - 128 * producer) // (block_m * 2) // 8 * 8  # the template's rule
+        assert 128 * producer + block_m * 2 * consumer <= launch * threads  # within the CTA's pool
+    warp = {**wg, "block_m": 256, "block_n": 128, "producer": "warp"}
+    assert "reg_reconfig" not in get_template("sm90_splitk").render(warp, problem)
+
+
+@pytest.mark.nvcc  # one CuTe TMA + GMMA build: about a minute of one core
+def test_a_producer_warpgroup_tile_builds_at_its_launch_count_without_spills(compiler):
+    """128x256 with the TMA store and a producer warpgroup: ptxas gives every thread the launch
+    count its pool assumes (65536 / 384 in eights: 168) and spills nothing where a producer warp
+    spilled; the library declares the registers the warpgroups hold after setmaxnreg."""
+    params = {"block_m": "128", "block_n": "256", "stages": "3", "split_k": "1", "k_clusters": "1",
+              "producer": "warpgroup", "epilogue": "tma", "schedule": "persistent"}
+    build = compiler.compile(render(template_candidate("sm90_splitk", params, 90), Problem(1, 1, 1, "fp16", "nn")))
+    assert build.status == "ok", build.log[-3000:]
+    assert build.registers == 168 and build.spill_bytes == 0
+    assert (build.declared["producer_registers"], build.declared["consumer_registers"]) == (40, 232)
+    assert build.declared["dynamic_smem_bytes"] == SPACE.facts(SPACE.resolve(params, 90, "sm90_splitk"), 90)["smem_bytes"]
+
+
 def test_every_configuration_the_gpu_suite_builds_is_one_the_space_admits():
     """The GPU tests run on the device only; a configuration the space has since refused fails
     there at its check, not at the kernel. Caught here (the persistent 128x256 case was one)."""
