@@ -138,14 +138,15 @@ def fp16_nn_set_of(monkeypatch, *names):
 def test_a_wide_output_of_fewer_tiles_than_sms_and_a_long_k_finds_a_kernel_that_fills_one_wave_built(monkeypatch):
     # 1024x1024 is 64 tiles of 128x128 on 132 SMs: without K cut in two, half the GPU idles;
     # cut in four, the CTAs run in two waves. A time-budgeted run measures only what is built.
+    # (The region's picks are sm90_splitk's split tiles; sm90_cutlass's split-K counts alike.)
     region, entries = fp16_nn_set_of(monkeypatch, "wide few tiles, long-K")
-    m, n, _ = region["wide few tiles, long-K"]
+    problem = Problem(*region["wide few tiles, long-K"])
     waves = []
     for entry in entries:
-        params = entry.candidate.param_dict
-        if "cost model" in entry.why and entry.candidate.template == "sm90_cutlass":
-            ctas = -(-m // params["tile_m"]) * -(-n // params["tile_n"]) * params["splits"]
-            waves.append(ctas / 132)
+        if "cost model" in entry.why:
+            space = get_template(entry.candidate.template).space
+            launch = space.cost_inputs(entry.candidate.param_dict, 90, problem, 132)
+            waves.append(launch["tiles"] * launch["split_k"] / 132)
     assert waves and any(0.5 < w <= 1.0 for w in waves), waves
 
 
