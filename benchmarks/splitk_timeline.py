@@ -18,6 +18,10 @@ With epilogue=direct nothing is parked: a CTA goes from mainloop to end. schedul
   PYTHONPATH=. python benchmarks/splitk_timeline.py 64x64x16384 \
       '{"block_m": 64, "block_n": 64, "stages": 4, "split_k": 8, "k_clusters": 16, "producer": "warp"}'
 
+`--source FILE` probes an edited copy of a rendered source in place of a configuration (a
+variant measured beside the template's own by `cudal2 bench --kernel`); where an edit removed
+a phase's anchor, it says which.
+
 Needs a GPU of compute capability 9.0, nvcc and CuPy; `--compile-only` builds without a GPU.
 """
 
@@ -26,6 +30,7 @@ from __future__ import annotations
 import argparse
 import ctypes
 import json
+from pathlib import Path
 
 EVENTS = ("start", "first_stage", "mainloop", "parked", "arrive0", "arrive1", "end")
 SLOTS = 8  # per CTA: the events above, then its SM
@@ -107,12 +112,14 @@ def probed_source(problem, params: dict) -> str:
                               problem))
 
 
-def build(problem, params: dict, cache_dir=None):
-    """The probed library of `params` for `problem` (cudal2's compiler and cache)."""
+def build(problem, params: dict | None, cache_dir=None, source: str | None = None):
+    """The probed library of `params` for `problem`, or of a rendered `source` given whole
+    (cudal2's compiler and cache)."""
     from cudal2.compile import Compiler
     from cudal2.config import load_settings
 
-    built = Compiler("sm_90a", cache_dir=cache_dir or load_settings().cache_dir).compile(probed_source(problem, params))
+    probed = with_probes(source) if source is not None else probed_source(problem, params)
+    built = Compiler("sm_90a", cache_dir=cache_dir or load_settings().cache_dir).compile(probed)
     if built.status != "ok":
         raise SystemExit(f"the probed source does not compile:\n{built.log[-3000:]}")
     return built
@@ -179,18 +186,25 @@ def main() -> None:
 
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("shape", help="MxNxK")
-    parser.add_argument("params", help="the configuration, as JSON")
+    parser.add_argument("params", nargs="?", help="the configuration, as JSON (or --source)")
+    parser.add_argument("--source", type=Path, help="a rendered sm90_splitk source (say, an edited copy) to probe instead")
     parser.add_argument("--dtype", default="fp16")
     parser.add_argument("--layout", default="nn")
     parser.add_argument("--compile-only", action="store_true")
     args = parser.parse_args()
+    if (args.params is None) == (args.source is None):
+        parser.error("give the configuration as JSON or a source with --source, one of the two")
     problem = Problem(*map(int, args.shape.split("x")), dtype=args.dtype, layout=args.layout)
-    built = build(problem, json.loads(args.params))
+    try:
+        built = build(problem, None if args.params is None else json.loads(args.params),
+                      source=None if args.source is None else args.source.read_text())
+    except ValueError as exc:
+        parser.error(str(exc))
     if args.compile_only:
         print(built.library)
         return
     ctas, per_call_us = phases(problem, str(built.library))
-    print(f"{problem} {args.params}: {len(ctas)} CTAs on {len({cta[7] for cta in ctas})} SMs; "
+    print(f"{problem} {args.params or args.source}: {len(ctas)} CTAs on {len({cta[7] for cta in ctas})} SMs; "
           f"{per_call_us:.2f} us a call back to back by events; percentiles 0/10/50/90/100 in us:")
     print("\n".join(summary(ctas)))
 

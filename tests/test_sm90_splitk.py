@@ -5,6 +5,8 @@ imports and the shared memory its space declares."""
 
 from __future__ import annotations
 
+import json
+import os
 import re
 
 import pytest
@@ -212,6 +214,28 @@ def test_the_timeline_takes_a_configuration_as_the_docs_write_it():
                   "schedule": "persistent"}
     with pytest.raises(ValueError, match="persistent"):  # its CTAs walk several tiles: one timeline each would mislead
         timeline.probed_source(Problem(2048, 2048, 128), persistent)
+
+
+def test_the_timeline_probes_an_edited_source_and_says_which_phase_an_edit_removed(tmp_path):
+    """`--source FILE` probes an edited copy of a rendered source (a variant benched beside the
+    template's own); an edit that removed a phase's anchor is named, before anything compiles."""
+    import subprocess
+    import sys
+
+    from conftest import ROOT
+
+    params, dtype, layout = TIMELINE_CASES[5]  # the spread fixup without a cluster
+    source = render(template_candidate("sm90_splitk", params, 90), Problem(1, 1, 1, dtype, layout))
+    edited = source.replace("store_item(first + i, sum);", "store_item(i + first, sum);")
+    assert edited != source
+    (tmp_path / "variant.cu").write_text(edited)
+    script = [sys.executable, str(ROOT / "benchmarks" / "splitk_timeline.py"), "384x768x16384"]
+    run = subprocess.run([*script, "--source", str(tmp_path / "variant.cu"), "--compile-only"],
+                         capture_output=True, text=True, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert run.returncode == 2 and "store_item(first + i, sum);" in run.stderr
+    both = subprocess.run([*script, json.dumps(params), "--source", str(tmp_path / "variant.cu")],
+                          capture_output=True, text=True, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert both.returncode == 2 and "one of the two" in both.stderr
 
 
 @pytest.mark.nvcc
