@@ -8,9 +8,11 @@ from __future__ import annotations
 import json
 import os
 import re
+import subprocess
+import sys
 
 import pytest
-from conftest import benchmark_script
+from conftest import ROOT, benchmark_script
 
 from cudal2.errors import Cudal2Error
 from cudal2.problem import Problem
@@ -219,22 +221,19 @@ def test_the_timeline_takes_a_configuration_as_the_docs_write_it():
 def test_the_timeline_probes_an_edited_source_and_says_which_phase_an_edit_removed(tmp_path):
     """`--source FILE` probes an edited copy of a rendered source (a variant benched beside the
     template's own); an edit that removed a phase's anchor is named, before anything compiles."""
-    import subprocess
-    import sys
-
-    from conftest import ROOT
-
     params, dtype, layout = TIMELINE_CASES[5]  # the spread fixup without a cluster
     source = render(template_candidate("sm90_splitk", params, 90), Problem(1, 1, 1, dtype, layout))
     edited = source.replace("store_item(first + i, sum);", "store_item(i + first, sum);")
     assert edited != source
     (tmp_path / "variant.cu").write_text(edited)
-    script = [sys.executable, str(ROOT / "benchmarks" / "splitk_timeline.py"), "384x768x16384"]
-    run = subprocess.run([*script, "--source", str(tmp_path / "variant.cu"), "--compile-only"],
-                         capture_output=True, text=True, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)})
+
+    def timeline(*args: str) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, str(ROOT / "benchmarks" / "splitk_timeline.py"), "384x768x16384", *args],
+                              capture_output=True, text=True, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)})
+
+    run = timeline("--source", str(tmp_path / "variant.cu"), "--compile-only")
     assert run.returncode == 2 and "store_item(first + i, sum);" in run.stderr
-    both = subprocess.run([*script, json.dumps(params), "--source", str(tmp_path / "variant.cu")],
-                          capture_output=True, text=True, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    both = timeline(json.dumps(params), "--source", str(tmp_path / "variant.cu"))
     assert both.returncode == 2 and "one of the two" in both.stderr
 
 
