@@ -1,7 +1,7 @@
 """Fresh random shapes of the 1,000-shape grid (M, N, K each one of 64 ... 16384, fp16 nn: the
 grid CUDA-L2 tunes), and what a tuning run over them did.
 
-    python3 scripts/grid_sample.py draw --count 100 --seed S [--results DIR ...] [--regime R] > shapes.csv
+    python3 scripts/grid_sample.py draw --count 100 --seed S [--results DIR ...] [--regime R] [--midpoints] > shapes.csv
     cudal2 optimize --shapes shapes.csv --time-budget 5 --json > run.json
     python3 scripts/grid_sample.py report run.json [part2.json ...]   # a run made in several calls: one report
     python3 scripts/grid_sample.py compare short.json long.json   # the same shapes (or some of them), two budgets
@@ -10,7 +10,8 @@ grid CUDA-L2 tunes), and what a tuning run over them did.
 `draw` leaves out every shape measured before: the project's test shape sets, the shipped
 measurements and, with --results (repeatable), those leaderboards' problems; the same seed draws the same
 shapes; --regime draws one regime's shapes (few-tile long-K, short-K: a regime's fresh set) from
-the grid's values and the midpoints between them.
+the grid's values and the midpoints between them, and --midpoints draws any shape of those values
+(19 a side): the 1,000-shape grid's own fresh shapes run out as samples are shipped.
 `report` prints, per shape and over the set, the candidates screened and measured (over the
 set also by the shape's fastest library call, which a kernel's verification costs a multiple
 of), the time to the first verified kernel, the baselines' time, the wall time (and what 1,000
@@ -59,16 +60,18 @@ def measured_before(results: Path | list[Path] | None) -> set[tuple[int, int, in
     return seen
 
 
-def draw(count: int, seed: int, results: Path | list[Path] | None, within: str | None = None) -> list[Problem]:
+def draw(count: int, seed: int, results: Path | list[Path] | None, within: str | None = None,
+         midpoints: bool = False) -> list[Problem]:
     """`count` grid shapes never measured before, drawn with `seed`; of one regime, `within`,
-    shapes of REGIME_VALUES."""
+    or with `midpoints`, shapes of REGIME_VALUES."""
     seen = measured_before(results)
-    values = GRID if within is None else REGIME_VALUES
+    values = REGIME_VALUES if within is not None or midpoints else GRID
     fresh = [(m, n, k) for m in values for n in values for k in values if (m, n, k, "fp16", "nn") not in seen
              and (within is None or regime(Problem(m, n, k)) == within)]
     if count > len(fresh):
         raise SystemExit(f"only {len(fresh)} {f'{within} shapes' if within else 'grid shapes'} "
-                         f"were never measured; asked for {count}")
+                         f"were never measured; asked for {count}"
+                         + ("" if values is REGIME_VALUES else " (--midpoints draws from the midpoints between the grid's values too)"))
     return [Problem(m, n, k) for m, n, k in random.Random(seed).sample(fresh, count)]
 
 
@@ -165,6 +168,8 @@ def main(argv: list[str] | None = None) -> None:
     d.add_argument("--results", type=Path, action="append",
                    help="also leave out this results directory's problems (repeatable: earlier samples' too)")
     d.add_argument("--regime", choices=REGIMES, help="only shapes of this regime (cudal2/roofline.py)")
+    d.add_argument("--midpoints", action="store_true",
+                   help="shapes of the grid's values and the midpoints between them (96, 192, ..., 14336)")
     r = sub.add_parser("report", help="summarise `cudal2 optimize --shapes ... --json` output")
     r.add_argument("run", type=Path, nargs="+", help="one run's output, or the parts of a sample run in several calls")
     t = sub.add_parser("taken", help="the first COUNT shapes a `--json` run tuned, as a shape-set CSV (to tune them again)")
@@ -175,7 +180,7 @@ def main(argv: list[str] | None = None) -> None:
     c.add_argument("long", type=Path)
     args = parser.parse_args(argv)
     if args.command in ("draw", "taken"):
-        problems = (draw(args.count, args.seed, args.results, args.regime) if args.command == "draw" else
+        problems = (draw(args.count, args.seed, args.results, args.regime, args.midpoints) if args.command == "draw" else
                     [Problem(**shape["problem"]) for shape in json.loads(args.run.read_text())["shapes"][:args.count]])
         print("m,n,k,dtype,layout")
         for p in problems:

@@ -16,14 +16,22 @@ spec.loader.exec_module(grid_sample)
 
 
 def test_a_draw_is_fresh_grid_shapes_the_same_for_the_same_seed():
-    shapes = grid_sample.draw(40, seed=7, results=None)
+    shapes = grid_sample.draw(10, seed=7, results=None)
     seen = grid_sample.measured_before(None)
     assert len(seen) > 100  # the shipped measurements and the test shape sets
     keys = [(p.m, p.n, p.k, p.dtype, p.layout) for p in shapes]
-    assert len(set(keys)) == 40 and not set(keys) & seen
+    assert len(set(keys)) == 10 and not set(keys) & seen
     assert all(v in grid_sample.GRID for p in shapes for v in (p.m, p.n, p.k))
-    assert grid_sample.draw(40, seed=7, results=None) == shapes
-    assert grid_sample.draw(40, seed=8, results=None) != shapes
+    assert grid_sample.draw(10, seed=7, results=None) == shapes
+    assert grid_sample.draw(10, seed=8, results=None) != shapes
+    # with the midpoints between the grid's values: the same rules, a pool that shipped samples
+    # do not use up (the grid's own fresh shapes are fewer than a 100-shape sample's)
+    wide = grid_sample.draw(100, seed=7, results=None, midpoints=True)
+    keys = [(p.m, p.n, p.k, p.dtype, p.layout) for p in wide]
+    assert len(set(keys)) == 100 and not set(keys) & seen
+    assert all(v in grid_sample.REGIME_VALUES for p in wide for v in (p.m, p.n, p.k))
+    assert any(v not in grid_sample.GRID for p in wide for v in (p.m, p.n, p.k))
+    assert grid_sample.draw(100, seed=7, results=None, midpoints=True) == wide
     for name in ("few-tile long-K", "short-K"):  # a regime's fresh set: the 30 shapes fit
         drawn = grid_sample.draw(30, seed=7, results=None, within=name)
         assert len(drawn) == 30 and {grid_sample.regime(p) for p in drawn} == {name}
@@ -35,7 +43,7 @@ def test_a_draw_is_fresh_grid_shapes_the_same_for_the_same_seed():
 def test_a_draw_leaves_out_the_problems_of_every_results_directory_given(tmp_path):
     from cudal2.leaderboard import Leaderboard
 
-    first = grid_sample.draw(5, seed=7, results=None)
+    first = grid_sample.draw(5, seed=7, results=None, midpoints=True)
     for i, p in enumerate(first[:2]):  # two earlier samples, one shape each
         Leaderboard(tmp_path / f"sample-{i}").append([{"run_id": "r", "m": p.m, "n": p.n, "k": p.k, "dtype": p.dtype,
                                                        "layout": p.layout, "kernel": "cuBLAS", "status": "ok"}])
@@ -44,8 +52,14 @@ def test_a_draw_leaves_out_the_problems_of_every_results_directory_given(tmp_pat
     assert grid_sample.measured_before(both) >= {key(p) for p in first[:2]}
     assert key(first[1]) not in grid_sample.measured_before(both[0])  # one alone leaves the other's in
     for seed in range(7, 27):
-        again = grid_sample.draw(60, seed=seed, results=both)
+        again = grid_sample.draw(60, seed=seed, results=both, midpoints=True)
         assert first[0] not in again and first[1] not in again
+
+
+def test_asking_for_more_fresh_grid_shapes_than_are_left_says_so_and_names_the_wider_draw():
+    # (the test shape sets alone hold grid shapes: fewer than the grid's 1,000 are ever fresh)
+    with pytest.raises(SystemExit, match=r"were never measured; asked for 1000 \(--midpoints"):
+        grid_sample.draw(1000, seed=7, results=None)
 
 
 def test_the_report_gives_the_screened_distribution_and_the_shapes_left_without_a_kernel():
