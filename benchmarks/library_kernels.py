@@ -7,8 +7,11 @@ and a split-K (whose second kernel, cublasLt::splitKreduce_kernel, follows on it
 
   python benchmarks/library_kernels.py 3072x1024x256 384x768x14336 64x64x16384 [--dtype bf16 --layout nt]
 
-The autotuned cuBLASLt baseline of `cudal2 bench` may pick another algorithm; its choice is in
-each row's `cublaslt_algo`. Needs a GPU and torch; `nvjet_design` runs anywhere.
+The autotuned cuBLASLt baseline of `cudal2 bench` may pick another algorithm (its choice is in
+each row's `cublaslt_algo`: the heuristic's index, tile and stages enums); `--cublaslt` also
+runs each algorithm the heuristic offers there, through the bench's own cuBLASLt shim, and
+lists the kernels each launched with its index and time, so that the one the autotuning picks
+is named. Needs a GPU and torch; `nvjet_design` runs anywhere.
 """
 
 from __future__ import annotations
@@ -60,6 +63,12 @@ def profile_matmul(m: int, n: int, k: int, dtype: str = "fp16", layout: str = "n
             a, b = sets[i % len(sets)]
             torch.matmul(a, b)
         torch.cuda.synchronize()
+    return launch_rows(prof, {"shape": f"{m}x{n}x{k}", "dtype": dtype, "layout": layout})
+
+
+def launch_rows(prof, fields: dict) -> list[dict]:
+    """One row per distinct kernel launch a profiler saw (name, grid, block, shared memory,
+    registers), `fields` first, with how many calls ran it and its median us."""
     # The launch shapes (grid, block, shared memory, registers) are in Kineto's trace only, not in
     # the profiler's FunctionEvents (which scripts/remeasure.py reads for times alone).
     with tempfile.TemporaryDirectory() as tmp:
@@ -72,12 +81,63 @@ def profile_matmul(m: int, n: int, k: int, dtype: str = "fp16", layout: str = "n
         key = (event["name"], str(args.get("grid")), str(args.get("block")), args.get("shared memory"),
                args.get("registers per thread"))
         launches.setdefault(key, []).append(float(event["dur"]))
+    return [{**fields, "name": name, "grid": grid, "block": block, "smem": smem, "registers": registers,
+             "calls": len(durations), "median_us": statistics.median(durations), "design": nvjet_design(name)}
+            for (name, grid, block, smem, registers), durations in launches.items()]
+
+
+def profile_cublaslt(m: int, n: int, k: int, dtype: str = "fp16", layout: str = "nn", calls: int = 30) -> list[dict]:
+    """Every algorithm cuBLASLt's heuristic offers at one problem, each called `calls` times on 3
+    rotating input sets through the bench's shim (cudal2/baselines.cu, built here): one row per
+    kernel launch, with the algorithm's index in the heuristic's list and its configuration
+    (`CublasLt.describe`: the tile and stages enums of a row's `cublaslt_algo`)."""
+    import cupy
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    from cudal2.baselines import CublasLt, abi_call, build_baselines
+    from cudal2.compile import Compiler
+    from cudal2.config import load_settings
+    from cudal2.environment import default_arch
+    from cudal2.problem import Problem
+
+    problem = Problem(m, n, k, dtype, layout)
+    major, minor = torch.cuda.get_device_capability()
+    lt = CublasLt(build_baselines(Compiler(default_arch(major * 10 + minor), load_settings().cache_dir), problem)["cuBLASLt"])
+    offered = lt.algorithms(problem)
+    stream = cupy.cuda.Stream(non_blocking=True)
+    run = abi_call(lt.kernel, cupy.empty(max(1, lt.kernel.workspace_bytes(m, n, k)), cupy.uint8), problem, stream, "cuBLASLt")
+
+    def operand(rows: int, cols: int):
+        values = cupy.random.standard_normal((rows, cols), dtype=cupy.float32)
+        return values.astype(cupy.float16) if dtype == "fp16" else (values.view(cupy.uint32) >> 16).astype(cupy.uint16)
+
+    sets = [(operand(m, k), operand(k, n) if layout == "nn" else operand(n, k), cupy.empty((m, n), cupy.uint16))
+            for _ in range(3)]
+    cupy.cuda.Device().synchronize()  # the operands, made on the default stream, before the shim's stream reads them
     rows = []
-    for (name, grid, block, smem, registers), durations in launches.items():
-        rows.append({"shape": f"{m}x{n}x{k}", "dtype": dtype, "layout": layout, "name": name, "grid": grid,
-                     "block": block, "smem": smem, "registers": registers, "calls": len(durations),
-                     "median_us": statistics.median(durations), "design": nvjet_design(name)})
+    for index in range(offered):
+        lt.select(index)
+        with stream:
+            for a, b, c in sets:  # warm: the algorithm's module and plan
+                run(a, b, c)
+            stream.synchronize()
+            with profile(activities=[ProfilerActivity.CUDA]) as prof:
+                for i in range(calls):
+                    run(*sets[i % len(sets)])
+                stream.synchronize()
+        rows += launch_rows(prof, {"shape": f"{m}x{n}x{k}", "dtype": dtype, "layout": layout, "algorithm": index,
+                                   "offered": offered, **lt.describe(index)})
     return rows
+
+
+def decoded(design: dict | None) -> str:
+    """An nvjet design in words ("" for any other kernel)."""
+    if not design:
+        return ""
+    return (f"tile {design['tile']}x{design['tile_k']}, {design['stages']} stages, cluster {design['cluster']}"
+            + (f", coop{design['cooperative']}" if design["cooperative"] else "")
+            + (", split-K" if design["split_k"] else ""))
 
 
 def main() -> None:
@@ -85,6 +145,8 @@ def main() -> None:
     parser.add_argument("shapes", nargs="+", help="MxNxK")
     parser.add_argument("--dtype", default="fp16", choices=("fp16", "bf16"))
     parser.add_argument("--layout", default="nn", choices=("nn", "nt"))
+    parser.add_argument("--cublaslt", action="store_true",
+                        help="also every algorithm cuBLASLt's heuristic offers (the autotuned baseline's choices)")
     parser.add_argument("--json", type=Path, help="also write the rows here")
     args = parser.parse_args()
     rows = []
@@ -92,12 +154,15 @@ def main() -> None:
         m, n, k = map(int, shape.split("x"))
         for row in profile_matmul(m, n, k, args.dtype, args.layout):
             rows.append(row)
-            design = row["design"]
-            decoded = (f"tile {design['tile']}x{design['tile_k']}, {design['stages']} stages, cluster {design['cluster']}"
-                       + (f", coop{design['cooperative']}" if design["cooperative"] else "")
-                       + (", split-K" if design["split_k"] else "")) if design else ""
             print(f"{row['shape']:>16} {row['median_us']:8.2f} us  grid {row['grid']:>12}  block {row['block']:>12}  "
-                  f"smem {row['smem']}  {row['name'][:64]}  {decoded}", flush=True)
+                  f"smem {row['smem']}  {row['name'][:64]}  {decoded(row['design'])}", flush=True)
+        if args.cublaslt:
+            for row in profile_cublaslt(m, n, k, args.dtype, args.layout):
+                rows.append(row)
+                print(f"{row['shape']:>16} cuBLASLt algorithm {row['algorithm']} of {row['offered']} (algo {row['algo']}, "
+                      f"tile enum {row['tile']}, stages enum {row['stages']}, split-K {row['splitk']}): "
+                      f"{row['median_us']:8.2f} us  grid {row['grid']:>12}  block {row['block']:>12}  "
+                      f"{row['name'][:64]}  {decoded(row['design'])}", flush=True)
     if args.json:
         args.json.write_text(json.dumps(rows, indent=1))
 

@@ -30,3 +30,15 @@ def test_torch_matmuls_kernels_at_a_split_k_problem_are_listed_with_their_times(
     assert rows and all(row["calls"] == 30 and row["median_us"] > 0 and row["grid"] and row["block"] for row in rows)
     if torch.cuda.get_device_capability() == (9, 0):
         assert any(row["design"] for row in rows), [row["name"] for row in rows]
+
+
+@pytest.mark.gpu
+def test_every_algorithm_cublaslt_offers_is_run_and_its_kernels_named():
+    """On a GPU: `--cublaslt` runs each algorithm of the heuristic's list through the bench's
+    shim, so the autotuned baseline's pick (its index in that list) is named by its kernels."""
+    pytest.importorskip("torch")
+    rows = _tool().profile_cublaslt(256, 256, 4096, "bf16", "nt", calls=30)
+    offered = rows[0]["offered"]
+    assert offered >= 1 and {row["algorithm"] for row in rows} == set(range(offered))
+    assert all(row["calls"] == 30 and row["median_us"] > 0 and row["name"] for row in rows)
+    assert all(isinstance(row["tile"], int) and isinstance(row["stages"], int) for row in rows)
