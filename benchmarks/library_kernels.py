@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import random
 import re
 import statistics
 import tempfile
@@ -87,8 +88,8 @@ def launch_rows(prof, fields: dict) -> list[dict]:
 
 
 def profile_cublaslt(m: int, n: int, k: int, dtype: str = "fp16", layout: str = "nn", calls: int = 30) -> list[dict]:
-    """Every algorithm cuBLASLt's heuristic offers at one problem, each called `calls` times on 3
-    rotating input sets through the bench's shim (cudal2/baselines.cu, built here): one row per
+    """Every algorithm cuBLASLt's heuristic offers at one problem, each called `calls` times on the
+    bench's rotating input sets (measure.InputSets), through its shim (cudal2/baselines.cu, built here): one row per
     kernel launch, with the algorithm's index in the heuristic's list and its configuration
     (`CublasLt.describe`: the tile and stages enums of a row's `cublaslt_algo`)."""
     import cupy
@@ -99,7 +100,9 @@ def profile_cublaslt(m: int, n: int, k: int, dtype: str = "fp16", layout: str = 
     from cudal2.compile import Compiler
     from cudal2.config import load_settings
     from cudal2.environment import default_arch
+    from cudal2.measure import InputSets
     from cudal2.problem import Problem
+    from cudal2.verify import Numerics
 
     problem = Problem(m, n, k, dtype, layout)
     major, minor = torch.cuda.get_device_capability()
@@ -108,23 +111,19 @@ def profile_cublaslt(m: int, n: int, k: int, dtype: str = "fp16", layout: str = 
     stream = cupy.cuda.Stream(non_blocking=True)
     run = abi_call(lt.kernel, cupy.empty(max(1, lt.kernel.workspace_bytes(m, n, k)), cupy.uint8), problem, stream, "cuBLASLt")
 
-    def operand(rows: int, cols: int):
-        values = cupy.random.standard_normal((rows, cols), dtype=cupy.float32)
-        return values.astype(cupy.float16) if dtype == "fp16" else (values.view(cupy.uint32) >> 16).astype(cupy.uint16)
-
-    sets = [(operand(m, k), operand(k, n) if layout == "nn" else operand(n, k), cupy.empty((m, n), cupy.uint16))
-            for _ in range(3)]
+    sets = InputSets(problem, Numerics(dtype), ["cuBLASLt"], random.Random(0))  # the bench's rotating inputs
+    operands = [(sets.a[s], sets.b[s], sets.c["cuBLASLt"][s]) for s in range(len(sets.a))]
     cupy.cuda.Device().synchronize()  # the operands, made on the default stream, before the shim's stream reads them
     rows = []
     for index in range(offered):
         lt.select(index)
         with stream:
-            for a, b, c in sets:  # warm: the algorithm's module and plan
+            for a, b, c in operands:  # warm: the algorithm's module and plan
                 run(a, b, c)
             stream.synchronize()
             with profile(activities=[ProfilerActivity.CUDA]) as prof:
                 for i in range(calls):
-                    run(*sets[i % len(sets)])
+                    run(*operands[i % len(operands)])
                 stream.synchronize()
         rows += launch_rows(prof, {"shape": f"{m}x{n}x{k}", "dtype": dtype, "layout": layout, "algorithm": index,
                                    "offered": offered, **lt.describe(index)})
