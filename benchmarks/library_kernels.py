@@ -139,6 +139,12 @@ def decoded(design: dict | None) -> str:
             + (", split-K" if design["split_k"] else ""))
 
 
+def launch_text(row: dict) -> str:
+    """One launch row's time, launch shape, kernel name and decoded nvjet design, for printing."""
+    return (f"{row['median_us']:8.2f} us  grid {row['grid']:>12}  block {row['block']:>12}  "
+            f"smem {row['smem']}  {row['name'][:64]}  {decoded(row['design'])}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("shapes", nargs="+", help="MxNxK")
@@ -153,15 +159,13 @@ def main() -> None:
         m, n, k = map(int, shape.split("x"))
         for row in profile_matmul(m, n, k, args.dtype, args.layout):
             rows.append(row)
-            print(f"{row['shape']:>16} {row['median_us']:8.2f} us  grid {row['grid']:>12}  block {row['block']:>12}  "
-                  f"smem {row['smem']}  {row['name'][:64]}  {decoded(row['design'])}", flush=True)
+            print(f"{row['shape']:>16} {launch_text(row)}", flush=True)
         if args.cublaslt:
             for row in profile_cublaslt(m, n, k, args.dtype, args.layout):
                 rows.append(row)
                 print(f"{row['shape']:>16} cuBLASLt algorithm {row['algorithm']} of {row['offered']} (algo {row['algo']}, "
                       f"tile enum {row['tile']}, stages enum {row['stages']}, split-K {row['splitk']}): "
-                      f"{row['median_us']:8.2f} us  grid {row['grid']:>12}  block {row['block']:>12}  "
-                      f"{row['name'][:64]}  {decoded(row['design'])}", flush=True)
+                      f"{launch_text(row)}", flush=True)
     if args.json:
         args.json.write_text(json.dumps(rows, indent=1))
 
