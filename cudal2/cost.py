@@ -98,6 +98,16 @@ IN_FLIGHT_BYTES = 64 * 1024
 SM_STREAM_BYTES_PER_CLOCK = 96
 
 
+def cluster_slots(device: dict[str, Any], ctas: int) -> int:
+    """SMs that run CTAs launched in clusters of `ctas` at once: the device's own count where it
+    was measured (`cluster_slots`: cudaOccupancyMaxActiveClusters times the cluster's CTAs),
+    else every SM, rounded down to whole clusters."""
+    measured = device.get("cluster_slots") or {}
+    if ctas <= 1:
+        return device["sm_count"]
+    return int(measured.get(ctas) or measured.get(str(ctas)) or device["sm_count"] // ctas * ctas)
+
+
 def predict_us(template: Template, params: dict[str, Any], problem: Problem, device: dict[str, Any]) -> float:
     """Predicted microseconds of `template` with `params` on `problem` (for ranking only);
     infinite where the template says it cannot run the shape."""
@@ -111,7 +121,10 @@ def predict_us(template: Template, params: dict[str, Any], problem: Problem, dev
     # CTAs sharing an SM at once: as many as fit, or fewer when the grid is small.
     resident = min(max(1, int(c["ctas_per_sm"])), math.ceil(ctas / sms))
     stream_k = int(c["stream_k_tiles"])
-    waves = math.ceil((walked - stream_k) * split / (sms * resident))
+    # A cluster's CTAs run on one GPC: clusters of 4 or 8 leave the SMs of a GPC beyond a whole
+    # number of clusters idle.
+    slots = cluster_slots(device, int(c["cluster_ctas"]))
+    waves = math.ceil((walked - stream_k) * split / (slots * resident))
     if stream_k:
         waves += stream_k / (sms * resident) + STREAM_K_WAIT_WAVES
     sm_flops = tensor_peak(device) / sms * float(c["efficiency"])

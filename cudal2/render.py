@@ -204,7 +204,8 @@ class Space:
         iterations are spread evenly over all SMs, stream-K) and walked_tiles (default 0: the
         output tiles; more where a scheduler pads their count and runs the padding tiles too)
         and tiles (default: M and N each cut by tile_m and tile_n) and in_flight_bytes (default 0:
-        not modelled; else the bytes of loads a CTA keeps in flight, cost.IN_FLIGHT_BYTES).
+        not modelled; else the bytes of loads a CTA keeps in flight, cost.IN_FLIGHT_BYTES) and
+        cluster_ctas (default 1: the CTAs of a launched cluster, which share one GPC).
         A key may read the keys above it in the table."""
         if "pricer" not in self._code:
             self._code["pricer"] = self._pricer()
@@ -213,7 +214,8 @@ class Space:
         for name, default in (("requires", True), ("split_k", 1), ("extra_bytes", 0), ("extra_launches", 0),
                               ("extra_us", 0.0), ("ordered_reduction", False), ("slices_wait", True),
                               ("waiting_slices", 0), ("exposed_epilogue_bytes", 0), ("stream_k_tiles", 0),
-                              ("walked_tiles", 0), ("pipeline_stages", 0), ("tile_k", 0), ("in_flight_bytes", 0)):
+                              ("walked_tiles", 0), ("pipeline_stages", 0), ("tile_k", 0), ("in_flight_bytes", 0),
+                              ("cluster_ctas", 1)):
             inputs.setdefault(name, default)
         # Output tiles: M cut by tile_m and N by tile_n, unless the table counts them itself (a
         # kernel that swaps the operands cuts N by tile_m and M by tile_n).

@@ -211,18 +211,20 @@ def test_the_cutlass_template_s_default_compiles_with_allowed_imports(compiler):
     check_cutlass_build({}, build)
 
 
-@pytest.mark.slow  # three CUTLASS builds: minutes of 2 cores (`pytest -m slow`; the GPU tests build them too)
+@pytest.mark.slow  # four CUTLASS builds: minutes of 2 cores (`pytest -m slow`; the GPU tests build them too)
 def test_cutlass_variants_compile_with_allowed_imports(compiler):
-    """Three more CUTLASS 3.x kernels (about 60-170 s of one core each, side by side): the
+    """Four more CUTLASS 3.x kernels (about 60-170 s of one core each, side by side): the
     parallel split-K, which adds a batched fp32 GEMM and a second kernel launched with
     programmatic dependent launch behind it (cudaLaunchKernelEx); operands swapped with a 160-column
-    GMMA of CuTe's extended shapes (column-major C^T through the TMA epilogue); and the
-    cooperative kernel that stores each tile during the next one's GMMAs (bf16 packing)."""
+    GMMA of CuTe's extended shapes (column-major C^T through the TMA epilogue); the
+    cooperative kernel that stores each tile during the next one's GMMAs (bf16 packing); and
+    64x64 tiles, a CTA each, in clusters of 8 (4x2) that multicast both operands."""
     parallel = {"kernel_schedule": "warpspecialized", "tile_m": "64", "tile_n": "128", "cluster_m": "1",
                 "splits": "8", "reduction": "parallel"}
     swapped = {"kernel_schedule": "warpspecialized", "tile_n": "160", "cluster_m": "1", "swap_ab": "yes"}
     overlap = {"epilogue_schedule": "overlap", "grid": "even", "raster_order": "along_n", "max_swizzle_size": "8"}
-    variants = ((parallel, "bf16", "nt"), (swapped, "fp16", "nn"), (overlap, "bf16", "nt"))
+    eight = {"kernel_schedule": "warpspecialized", "tile_m": "64", "tile_n": "64", "cluster_m": "4", "cluster_n": "2"}
+    variants = ((parallel, "bf16", "nt"), (swapped, "fp16", "nn"), (overlap, "bf16", "nt"), (eight, "fp16", "nn"))
     sources = [render(template_candidate("sm90_cutlass", params, 90), Problem(1, 1, 1, dtype, layout))
                for params, dtype, layout in variants]
     for (params, _, _), build in zip(variants, compiler.compile_all(sources)):

@@ -278,6 +278,19 @@ def test_the_non_persistent_kernel_is_ranked_by_its_waves():
     assert us(Problem(2048, 512, 2048), "warpspecialized") > us(Problem(2048, 512, 2048), "pingpong")
 
 
+def test_clusters_of_four_beyond_the_gpus_cluster_slots_take_a_second_wave():
+    """A cluster's CTAs run on one GPC: on the H100 at 1024x384x2048, 64x64 tiles swapped in 4x1
+    clusters (128 CTAs) took 1.93x the time of no cluster, unswapped (96 CTAs) 0.78x. Measured
+    slots price that; without them every SM is assumed."""
+    problem = Problem(1024, 384, 2048)  # swapped 64x64: 6 tiles along N padded to 8, x 16 = 128
+    four = sm90(kernel_schedule="warpspecialized", tile_m=64, tile_n=64, swap_ab="yes", cluster_m=4, cluster_n=1)
+    one = {**four, "cluster_m": 1}
+    template = get_template("sm90_cutlass")
+    assert predict_us(template, four, problem, {**H200, "cluster_slots": {4: 120}}) > 1.6 * predict_us(template, one, problem, H200)
+    assert predict_us(template, four, problem, {**H200, "cluster_slots": {"4": 128}}) < 1.3 * predict_us(template, one, problem, H200)
+    assert predict_us(template, four, problem, H200) < 1.3 * predict_us(template, one, problem, H200)
+
+
 def test_ping_pong_hides_the_epilogue_where_k_is_short():
     # Measured on the H200: at 12288x8192x512 (3072 tiles of 128x256, K = 8 K tiles) ping-pong
     # 128x128 with a 2x1 cluster took 154.4 us, cooperative 128x256 174.7 us (it stores each

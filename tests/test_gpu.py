@@ -142,6 +142,12 @@ SM90_CONFIGS = [({}, v) for v in VARIANTS] + [
     ({"epilogue_schedule": "overlap", "tile_m": "256", "tile_n": "128", "cluster_m": "1", "cluster_n": "2"},
      ("bf16", "nt")),
     ({"epilogue_schedule": "overlap", "tile_n": "192", "cluster_m": "1"}, ("bf16", "nn")),
+    # Clusters of 8 and 4 on the CTA-a-tile kernel (cuBLAS's few-tile, mid-K kernels): 4x2
+    # 64x64, and 1x4 swapped 64x96; their grids round up to whole clusters on odd shapes.
+    ({"kernel_schedule": "warpspecialized", "tile_m": "64", "tile_n": "64", "cluster_m": "4", "cluster_n": "2"},
+     ("fp16", "nn")),
+    ({"kernel_schedule": "warpspecialized", "tile_m": "64", "tile_n": "96", "cluster_m": "1", "cluster_n": "4",
+      "swap_ab": "yes"}, ("bf16", "nt")),
 ]
 
 

@@ -248,6 +248,24 @@ def test_narrow_tiles_run_along_a_small_m_only_with_operands_swapped():
         template_candidate("sm90_cutlass", {**narrow, "swap_ab": "no"}, 90)
 
 
+def test_clusters_of_four_and_eight_are_the_non_persistent_kernels_only():
+    """cuBLAS's few-tile kernels share each operand tile among 4 or 8 CTAs of a cluster; the
+    space has them on the CTA-a-tile kernel (at most 8, the portable cluster size), and prices
+    the GPC slots its clusters take."""
+    four_by_two = {"kernel_schedule": "warpspecialized", "tile_m": "64", "tile_n": "64", "cluster_m": "4",
+                   "cluster_n": "2"}
+    source = render(template_candidate("sm90_cutlass", four_by_two, 90), Problem(1, 1, 1, "fp16", "nn"))
+    assert "using ClusterShape = Shape<Int<4>, Int<2>, _1>;" in source
+    assert "constexpr int kClusterM = 4;" in source and "constexpr int kClusterN = 2;" in source
+    rule = "fails max(cluster_m, cluster_n) < 4 or"
+    for wrong in ({"kernel_schedule": "pingpong"}, {"cluster_n": "4"}):
+        with pytest.raises(Cudal2Error, match=re.escape(rule)):
+            template_candidate("sm90_cutlass", {**four_by_two, **wrong}, 90)
+    space, problem = get_template("sm90_cutlass").space, Problem(1024, 384, 3072, "fp16", "nn")
+    inputs = space.cost_inputs(template_candidate("sm90_cutlass", four_by_two, 90).param_dict, 90, problem, 132)
+    assert inputs["requires"] and inputs["cluster_ctas"] == 8
+
+
 def test_binding_constraints_are_those_some_parameter_set_breaks_on_the_target(tmp_path):
     """A constraint reads parameters, derived values and the target; one that every value of
     the parameters it reads meets on a target cannot reject anything there."""
