@@ -76,6 +76,45 @@ def _int(text: str | None) -> int | None:
         return None
 
 
+class _LaunchAttribute(ctypes.Structure):  # CUlaunchAttribute: an id, then a 64-byte union at 8
+    _fields_ = [("id", ctypes.c_int), ("pad", ctypes.c_char * 4), ("value", ctypes.c_uint * 16)]
+
+
+class _LaunchConfig(ctypes.Structure):  # CUlaunchConfig
+    _fields_ = [("grid", ctypes.c_uint * 3), ("block", ctypes.c_uint * 3), ("shared_bytes", ctypes.c_uint),
+                ("stream", ctypes.c_void_p), ("attrs", ctypes.POINTER(_LaunchAttribute)), ("count", ctypes.c_uint)]
+
+
+_CLUSTER_DIMENSION = 4  # CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION
+_SLOT_SOURCE = 'extern "C" __global__ void cudal2_slot(int* p) { extern __shared__ int s[]; if (p) p[0] = s[0]; }'
+
+
+def measure_cluster_slots(smem_bytes: int, sizes: tuple[int, ...] = (2, 4, 8)) -> dict[int, int]:
+    """SMs that CTAs launched in clusters of each size occupy at once, one CTA an SM (a kernel
+    taking `smem_bytes` of shared memory, as the CTA-a-tile GEMMs do): the driver's
+    cuOccupancyMaxActiveClusters times the cluster's CTAs. A cluster runs on one GPC, so a GPC's
+    SMs beyond a whole number of clusters stay idle; how many differs from chip to chip
+    (floorsweeping). {} where the driver does not answer. What `cost.cluster_slots` reads as
+    the device's `cluster_slots`; not yet part of describe_device."""
+    import cupy
+
+    kernel = cupy.RawKernel(_SLOT_SOURCE, "cudal2_slot")
+    kernel.max_dynamic_shared_size_bytes = smem_bytes
+    occupancy = ctypes.CDLL("libcuda.so.1").cuOccupancyMaxActiveClusters
+    occupancy.argtypes = (ctypes.POINTER(ctypes.c_int), ctypes.c_void_p, ctypes.POINTER(_LaunchConfig))
+    slots = {}
+    for size in sizes:
+        attribute = _LaunchAttribute(id=_CLUSTER_DIMENSION)
+        attribute.value[0:3] = (size, 1, 1)
+        config = _LaunchConfig(grid=(size, 1, 1), block=(128, 1, 1), shared_bytes=smem_bytes,
+                               attrs=ctypes.pointer(attribute), count=1)
+        clusters = ctypes.c_int(0)
+        if occupancy(ctypes.byref(clusters), ctypes.c_void_p(kernel.kernel.ptr), ctypes.byref(config)) != 0:
+            return {}
+        slots[size] = clusters.value * size
+    return slots
+
+
 def describe_device(device: int = 0) -> dict[str, Any]:
     """Facts about the GPU, read where it is owned (the worker process)."""
     import cupy

@@ -186,6 +186,21 @@ def test_sm90_cutlass_is_correct_on_odd_and_unaligned_shapes(sm90_builds, index)
     assert not failures, "\n".join(failures)
 
 
+def test_cluster_slots_are_whole_clusters_of_the_gpus_sms():
+    """The GPU's cluster capacity (cuOccupancyMaxActiveClusters through ctypes), which the
+    ranking divides the CTA-a-tile kernel's waves by: whole clusters, no more SMs than the
+    GPU has, clusters of 2 on every SM (a TPC's two SMs share a GPC), bigger ones on no more."""
+    from cudal2.environment import describe_device, measure_cluster_slots
+
+    device = describe_device(0)
+    if device["cc"] < 90:
+        pytest.skip("thread-block clusters need sm_90")
+    slots, sms = measure_cluster_slots(device["smem_optin_bytes"]), device["sm_count"]
+    assert sorted(slots) == [2, 4, 8], slots
+    assert all(slots[size] % size == 0 and sms // 2 < slots[size] <= sms for size in slots), slots
+    assert slots[2] == sms and slots[8] <= slots[4] <= slots[2], slots
+
+
 # Calls chained on one stream: the sm90 default, parallel split-K (whose kernel summing the
 # slices is launched with programmatic dependent launch behind its GEMM) and the overlapped
 # epilogue (SM90_CONFIGS), and sm80_mma.
