@@ -94,8 +94,9 @@ def measure_cluster_slots(smem_bytes: int, sizes: tuple[int, ...] = (2, 4, 8)) -
     taking `smem_bytes` of shared memory, as the CTA-a-tile GEMMs do): the driver's
     cuOccupancyMaxActiveClusters times the cluster's CTAs. A cluster runs on one GPC, so a GPC's
     SMs beyond a whole number of clusters stay idle; how many differs from chip to chip
-    (floorsweeping). {} where the driver does not answer. What `cost.cluster_slots` reads as
-    the device's `cluster_slots`; not yet part of describe_device."""
+    (floorsweeping; `benchmarks/cluster_slots.cu` lists a GPU's GPCs). {} where the driver does
+    not answer. What `cost.cluster_slots` reads as the device's `cluster_slots`; not yet part of
+    describe_device."""
     import cupy
 
     kernel = cupy.RawKernel(_SLOT_SOURCE, "cudal2_slot")

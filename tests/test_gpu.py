@@ -186,10 +186,15 @@ def test_sm90_cutlass_is_correct_on_odd_and_unaligned_shapes(sm90_builds, index)
     assert not failures, "\n".join(failures)
 
 
-def test_cluster_slots_are_whole_clusters_of_the_gpus_sms():
-    """The GPU's cluster capacity (cuOccupancyMaxActiveClusters through ctypes), which the
-    ranking divides the CTA-a-tile kernel's waves by: whole clusters, no more SMs than the
-    GPU has, clusters of 2 on every SM (a TPC's two SMs share a GPC), bigger ones on no more."""
+def test_cluster_slots_are_whole_clusters_of_the_gpus_sms(tmp_path):
+    """The GPU's cluster capacity (the driver's cuOccupancyMaxActiveClusters through ctypes),
+    which the ranking divides the CTA-a-tile kernel's waves by: whole clusters, no more SMs than
+    the GPU has, clusters of 2 on every SM (a TPC's two SMs share a GPC), bigger ones on no
+    more, and what the runtime's count says (benchmarks/cluster_slots.cu, built with nvcc)."""
+    import re
+    import shutil
+    import subprocess
+
     from cudal2.environment import describe_device, measure_cluster_slots
 
     device = describe_device(0)
@@ -199,6 +204,13 @@ def test_cluster_slots_are_whole_clusters_of_the_gpus_sms():
     assert sorted(slots) == [2, 4, 8], slots
     assert all(slots[size] % size == 0 and sms // 2 < slots[size] <= sms for size in slots), slots
     assert slots[2] == sms and slots[8] <= slots[4] <= slots[2], slots
+    probe = tmp_path / "cluster_slots"
+    built = subprocess.run([shutil.which("nvcc"), "-O2", "-arch=sm_90a", "-o", str(probe),
+                            str(ROOT / "benchmarks" / "cluster_slots.cu")], capture_output=True, text=True)
+    assert built.returncode == 0, built.stderr[-3000:]
+    printed = subprocess.run([str(probe), str(device["smem_optin_bytes"])], capture_output=True, text=True).stdout
+    runtime = {int(c): int(n) for c, n in re.findall(r"^cluster (\d+): \d+ clusters, (\d+) CTAs$", printed, re.M)}
+    assert {size: runtime.get(size) for size in slots} == slots, printed
 
 
 # Calls chained on one stream: the sm90 default, parallel split-K (whose kernel summing the
