@@ -102,9 +102,9 @@ def cluster_slots(device: dict[str, Any], ctas: int) -> int:
     """SMs that run CTAs launched in clusters of `ctas` at once: the device's own count where it
     was measured (`cluster_slots`: cudaOccupancyMaxActiveClusters times the cluster's CTAs),
     else every SM, rounded down to whole clusters."""
-    measured = device.get("cluster_slots") or {}
     if ctas <= 1:
         return device["sm_count"]
+    measured = device.get("cluster_slots") or {}  # int keys, or string ones after JSON
     return int(measured.get(ctas) or measured.get(str(ctas)) or device["sm_count"] // ctas * ctas)
 
 
