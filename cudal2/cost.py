@@ -208,6 +208,10 @@ def rank_values(templates: dict[str, Template], problem: Problem,
 # Memory facts the leaderboard does not record per row (clock kHz, bus bits), by GPU name.
 # (nvidia-smi's clocks.max.memory and the HBM's bus: H100 SXM's 3.35 TB/s, H200's 4.8 TB/s)
 RECORDED_MEMORY = {"NVIDIA H200": (3201000, 6016), "NVIDIA H100 80GB HBM3": (2619000, 5120)}
+# The GPU's cluster slots (environment.measure_cluster_slots), where one was measured: the
+# H100 SXM's by the driver's and the runtime's occupancy calls alike (benchmarks/cluster_slots.cu).
+# A chip's GPCs differ with floorsweeping, so another H100 may hold a few more or fewer.
+RECORDED_CLUSTER_SLOTS = {"NVIDIA H100 80GB HBM3": {2: 132, 4: 120, 8: 120}}
 
 
 def recorded_device(df: pd.DataFrame, gpu: str) -> dict[str, Any]:
@@ -217,6 +221,7 @@ def recorded_device(df: pd.DataFrame, gpu: str) -> dict[str, Any]:
         raise ValueError(f"no recorded rows or memory facts for {gpu!r}")
     device = {k: int(rows[k].iloc[0]) for k in ("cc", "sm_count", "max_sm_clock_mhz")}
     device["memory_clock_khz"], device["memory_bus_bits"] = RECORDED_MEMORY[gpu]
+    device["cluster_slots"] = RECORDED_CLUSTER_SLOTS.get(gpu, {})
     return {"gpu": gpu, **device}
 
 

@@ -190,7 +190,8 @@ def test_cluster_slots_are_whole_clusters_of_the_gpus_sms(tmp_path):
     """The GPU's cluster capacity (the driver's cuOccupancyMaxActiveClusters through ctypes),
     which the ranking divides the CTA-a-tile kernel's waves by: whole clusters, no more SMs than
     the GPU has, clusters of 2 on every SM (a TPC's two SMs share a GPC), bigger ones on no
-    more, and what the runtime's count says (benchmarks/cluster_slots.cu, built with nvcc)."""
+    more, what the runtime's count says (benchmarks/cluster_slots.cu, built with nvcc), and
+    what every worker's environment carries to the ranking."""
     import re
     import shutil
     import subprocess
@@ -202,6 +203,7 @@ def test_cluster_slots_are_whole_clusters_of_the_gpus_sms(tmp_path):
         pytest.skip("thread-block clusters need sm_90")
     slots, sms = measure_cluster_slots(device["smem_optin_bytes"]), device["sm_count"]
     assert sorted(slots) == [2, 4, 8], slots
+    assert device["cluster_slots"] == slots
     assert all(slots[size] % size == 0 and sms // 2 < slots[size] <= sms for size in slots), slots
     assert slots[2] == sms and slots[8] <= slots[4] <= slots[2], slots
     probe = tmp_path / "cluster_slots"

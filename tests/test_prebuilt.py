@@ -47,7 +47,7 @@ def some_regions(monkeypatch, rankings):
     real = prebuilt.rank
 
     def rank(templates, problem, device):
-        key = (tuple(templates), problem, tuple(sorted(device.items())))
+        key = (tuple(templates), problem, json.dumps(device, sort_keys=True))
         if key not in rankings:
             rankings[key] = real(templates, problem, device)
         return rankings[key]
