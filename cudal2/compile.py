@@ -151,6 +151,10 @@ def cutlass_version() -> str:
     return "none"
 
 
+# What nvcc prints when it or a stage of it was stopped by a signal, not by the source.
+STOPPED = re.compile(r"died due to signal|^nvcc: (Terminated|Killed|Interrupt)", re.MULTILINE)
+
+
 def flags(arch: str) -> list[str]:
     """Every flag that shapes the binary; part of the cache key."""
     target = arch.removeprefix("sm_")
@@ -331,10 +335,11 @@ class Compiler:
             shutil.rmtree(work, ignore_errors=True)
             raise
         seconds = time.monotonic() - start
-        if returncode < 0 or "died due to signal" in log:
+        if returncode < 0 or STOPPED.search(log):
             # nvcc, or one of its stages, was stopped from outside (a killed prebuild, the machine
             # short of memory): no verdict on the source, so nothing is cached and a later run
-            # compiles it again (a cached failure would refuse it for good).
+            # compiles it again (a cached failure would refuse it for good). nvcc sent SIGTERM
+            # says "nvcc: Terminated" and exits 1, its stages' files gone.
             shutil.rmtree(work, ignore_errors=True)
             how = f"signal {-returncode}" if returncode < 0 else "a signal to one of its stages"
             return Build(key, "compile_error", None, f"nvcc was stopped by {how}; not cached\n{log}", seconds)

@@ -137,8 +137,9 @@ def test_timeout_is_a_result_not_an_exception(tmp_path):
 
 
 @pytest.mark.parametrize("script", ["kill -9 $$",
-                                    "echo \"nvcc error   : 'cicc' died due to signal 9 (Kill signal)\"; exit 255"],
-                         ids=["nvcc", "a stage"])
+                                    "echo \"nvcc error   : 'cicc' died due to signal 9 (Kill signal)\"; exit 255",
+                                    "echo 'nvcc: Terminated'; echo \"ptxas fatal   : Input file 'k.ptx' could not be opened\"; exit 1"],
+                         ids=["nvcc", "a stage", "nvcc sent SIGTERM"])
 def test_a_compile_stopped_by_a_signal_is_not_cached(tmp_path, monkeypatch, script):
     # A prebuild stopped with its nvcc processes killed had cached their sources as compile
     # errors with an empty log: every later run refused those kernels without compiling them.
