@@ -341,7 +341,7 @@ class Compiler:
             # compiles it again (a cached failure would refuse it for good). nvcc sent SIGTERM
             # says "nvcc: Terminated" and exits 1, its stages' files gone.
             shutil.rmtree(work, ignore_errors=True)
-            how = f"signal {-returncode}" if returncode < 0 else "a signal to one of its stages"
+            how = f"signal {-returncode}" if returncode < 0 else "a signal (its log says so)"
             return Build(key, "compile_error", None, f"nvcc was stopped by {how}; not cached\n{log}", seconds)
         build = Build(key, "ok" if returncode == 0 else "compile_error", None, log, seconds,
                       **parse_ptxas(log) if returncode == 0 else {})
