@@ -2,7 +2,7 @@
 // cudaOccupancyMaxActiveClusters for clusters of 1 to 16 CTAs of a kernel taking SMEM bytes of
 // shared memory (default: the opt-in maximum), then the SMs (%smid) each cluster of one launch of
 // 16-CTA clusters ran on: a cluster's CTAs share a GPC, so this lists the GPCs. The runtime's
-// count is the independent check of cudal2.environment.measure_cluster_slots (the driver's;
+// count is the independent check of cudal2.measure.environment.measure_cluster_slots (the driver's;
 // tests/test_gpu.py compares them). Last, where the CTAs of one launch land: grids of 72, 96
 // and 128 CTAs in clusters of 1, 2, 4 and 8, each CTA holding its SM for 50 us, counted per GPC
 // (the GPCs are the SM groups of the 16-CTA clusters; SMs in none of them count as "?"), with

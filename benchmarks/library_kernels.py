@@ -89,20 +89,20 @@ def launch_rows(prof, fields: dict) -> list[dict]:
 
 def profile_cublaslt(m: int, n: int, k: int, dtype: str = "fp16", layout: str = "nn", calls: int = 30) -> list[dict]:
     """Every algorithm cuBLASLt's heuristic offers at one problem, each called `calls` times on the
-    bench's rotating input sets (measure.InputSets), through its shim (cudal2/baselines.cu, built here): one row per
+    bench's rotating input sets (measure.InputSets), through its shim (cudal2/measure/baselines.cu, built here): one row per
     kernel launch, with the algorithm's index in the heuristic's list and its configuration
     (`CublasLt.describe`: the tile and stages enums of a row's `cublaslt_algo`)."""
     import cupy
     import torch
     from torch.profiler import ProfilerActivity, profile
 
-    from cudal2.baselines import CublasLt, abi_call, build_baselines
-    from cudal2.compile import Compiler
+    from cudal2.measure.baselines import CublasLt, abi_call, build_baselines
+    from cudal2.kernels.compile import Compiler
     from cudal2.config import load_settings
-    from cudal2.environment import default_arch
-    from cudal2.measure import InputSets
+    from cudal2.measure.environment import default_arch
+    from cudal2.measure.measure import InputSets
     from cudal2.problem import Problem
-    from cudal2.verify import Numerics
+    from cudal2.measure.verify import Numerics
 
     problem = Problem(m, n, k, dtype, layout)
     major, minor = torch.cuda.get_device_capability()

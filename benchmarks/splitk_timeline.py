@@ -106,7 +106,7 @@ def probed_source(problem, params: dict) -> str:
     """The rendered source of `params` for `problem`'s dtype and layout, with the probes in:
     validated, the parameters not given at their defaults (fixup, schedule, ...), as
     `cudal2 bench --param` takes them."""
-    from cudal2.render import render, template_candidate
+    from cudal2.kernels.render import render, template_candidate
 
     return with_probes(render(template_candidate("sm90_splitk", {key: str(value) for key, value in params.items()}, 90),
                               problem))
@@ -115,7 +115,7 @@ def probed_source(problem, params: dict) -> str:
 def build(problem, params: dict | None, cache_dir=None, source: str | None = None):
     """The probed library of `params` for `problem`, or of a rendered `source` given whole
     (cudal2's compiler and cache)."""
-    from cudal2.compile import Compiler
+    from cudal2.kernels.compile import Compiler
     from cudal2.config import load_settings
 
     probed = with_probes(source) if source is not None else probed_source(problem, params)
@@ -131,7 +131,7 @@ def phases(problem, library: str, warm_calls: int = 10) -> tuple[list[list[int]]
     short calls: ctypes and the error checks are in it)."""
     import cupy
 
-    from cudal2.verify import Kernel
+    from cudal2.measure.verify import Kernel
 
     kernel = Kernel(library)
     m, n, k = problem.m, problem.n, problem.k

@@ -18,22 +18,22 @@ from typing import Any
 
 import pandas as pd
 
-from . import render as render_stage
-from .candidate import Candidate
-from .compile import Build, Compiler, find_nvcc, first_error_line, library_symbols
 from .config import Settings, load_settings
-from .environment import default_arch
 from .errors import Cudal2Error
-from .leaderboard import SHIPPED, Leaderboard, select, shipped, shown
-from .llm import ReplayClient, load_llm_settings
-from .optimize import SCREEN, Budget, Event, Outcome
-from .pipeline import Built, Context, evaluate, measure, new_run_id
+from .kernels import render as render_stage
+from .kernels.candidate import Candidate
+from .kernels.compile import Build, Compiler, find_nvcc, first_error_line, library_symbols
+from .measure.environment import default_arch
+from .measure.worker import Worker
 from .problem import Problem
 from .protocol import BASELINES, PROTOCOL, best
-from .report import write_report
+from .results.leaderboard import SHIPPED, Leaderboard, select, shipped, shown
+from .results.report import write_report
 from .runtime import MIN_SPEEDUP, DispatchTable, export_library
-from .tuner import Search, Tuner
-from .worker import Worker
+from .search.llm import ReplayClient, load_llm_settings
+from .tune.optimize import SCREEN, Budget, Event, Outcome
+from .tune.pipeline import Built, Context, evaluate, measure, new_run_id
+from .tune.tuner import Search, Tuner
 
 
 @dataclass
@@ -177,7 +177,7 @@ def batches(iterations: int | None, time_budget: float | None) -> int:
 def screen_eta(screen: int | None, time_budget: float | None, proposer: str) -> int:
     """Successive halving's eta for a run (Budget.screen): `screen` where given; else, under a
     time budget, the search screens batch x SCREEN candidates a batch and confirms the best
-    `batch` (cudal2/optimize.py, docs/method.md); else (and for an LLM, whose proposals cost
+    `batch` (cudal2/tune/optimize.py, docs/method.md); else (and for an LLM, whose proposals cost
     tokens) every candidate goes through the full protocol."""
     if screen is not None:
         return screen

@@ -9,9 +9,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from .compile import default_cache_dir
 from .errors import Cudal2Error
-from .render import arch_cc
+from .kernels.compile import default_cache_dir
+from .kernels.render import arch_cc
 
 
 @dataclass(frozen=True)

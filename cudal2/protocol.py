@@ -16,14 +16,14 @@ from typing import Any
 import pandas as pd
 import pyarrow as pa
 
-# How this version times contestants (cudal2/bench.py); every row records it in its
+# How this version times contestants (cudal2/measure/bench.py); every row records it in its
 # `protocol` column, and rows of two protocols are never ranked together.
 PROTOCOL = "cupti-graph-3"
 # Protocols of earlier versions whose rows a leaderboard may still hold (readable, never
 # measured again); parts written before the protocol was recorded were timed back to back.
 EARLIER_PROTOCOLS = ("fenced", "back-to-back")
 PROTOCOLS = (PROTOCOL, *EARLIER_PROTOCOLS)
-# The optimize loop's first pass (cudal2/optimize.py, successive halving): candidates
+# The optimize loop's first pass (cudal2/tune/optimize.py, successive halving): candidates
 # verified by the screening checks (verify's `screen`), then timed by the graph method alone
 # for a few rounds. Its rows say
 # which candidates the full protocol confirms; they are never ranked, exported, shown to a
@@ -107,7 +107,7 @@ class Row:
     speedup_offline: float | None = None
     speedup_server: float | None = None
     tflops: float | None = None
-    # the problem's hardware floor on this GPU (cudal2/roofline.py) and the share of it the
+    # the problem's hardware floor on this GPU (cudal2/results/roofline.py) and the share of it the
     # claimed time reaches (floor / offline_us; 1.0 is the hardware's limit)
     floor_us: float | None = None
     floor_fraction: float | None = None

@@ -26,11 +26,11 @@ from typing import Any
 
 import pandas as pd
 
-from .compile import Compiler, flags
 from .errors import Cudal2Error
-from .leaderboard import Leaderboard
+from .kernels.compile import Compiler, flags
 from .problem import Problem
 from .protocol import TIE, best
+from .results.leaderboard import Leaderboard
 
 INDEX = "index.json"
 VERSION_KEYS = ("gpu", "driver")  # a mismatch in any: every call falls back

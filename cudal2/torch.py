@@ -34,9 +34,9 @@ from types import ModuleType
 
 import torch
 
-from .compile import default_cache_dir
-from .environment import driver_version
 from .errors import Cudal2Error
+from .kernels.compile import default_cache_dir
+from .measure.environment import driver_version
 from .runtime import DispatchTable, serving
 
 SOURCE = Path(__file__).parent / "csrc" / "torch_op.cpp"

@@ -33,12 +33,12 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from cudal2.leaderboard import Leaderboard, shipped  # noqa: E402
+from cudal2.results.leaderboard import Leaderboard, shipped  # noqa: E402
 from cudal2.problem import Problem  # noqa: E402
 from cudal2.protocol import TIE  # noqa: E402
-from cudal2.roofline import REGIMES, at_floor, regime  # noqa: E402
+from cudal2.results.roofline import REGIMES, at_floor, regime  # noqa: E402
 from cudal2.shapes import read_shapes  # noqa: E402
-from cudal2.tables import speedup_summary  # noqa: E402
+from cudal2.results.tables import speedup_summary  # noqa: E402
 
 GRID = (64, 128, 256, 512, 1024, 2048, 4096, 8192, 12288, 16384)
 # A regime's draw takes the grid's values and the midpoints of neighbouring ones (96, 192, ...,
@@ -167,7 +167,7 @@ def main(argv: list[str] | None = None) -> None:
     d.add_argument("--seed", type=int, required=True, help="record it: the same seed draws the same shapes")
     d.add_argument("--results", type=Path, action="append",
                    help="also leave out this results directory's problems (repeatable: earlier samples' too)")
-    d.add_argument("--regime", choices=REGIMES, help="only shapes of this regime (cudal2/roofline.py)")
+    d.add_argument("--regime", choices=REGIMES, help="only shapes of this regime (cudal2/results/roofline.py)")
     d.add_argument("--midpoints", action="store_true",
                    help="shapes of the grid's values and the midpoints between them (96, 192, ..., 14336)")
     r = sub.add_parser("report", help="summarise `cudal2 optimize --shapes ... --json` output")

@@ -13,11 +13,11 @@ from pathlib import Path
 
 import pandas as pd
 
-from cudal2.cost import recorded_device
-from cudal2.leaderboard import SHIPPED, shipped
+from cudal2.search.cost import recorded_device
+from cudal2.results.leaderboard import SHIPPED, shipped
 from cudal2.problem import Problem
 from cudal2.protocol import PROBLEM_KEYS, PROTOCOL, TIE, best, verified
-from cudal2.roofline import REGIMES, at_floor, floor_us, regime, roof
+from cudal2.results.roofline import REGIMES, at_floor, floor_us, regime, roof
 
 
 def geomean(values: pd.Series) -> float:
@@ -87,7 +87,7 @@ def page(df: pd.DataFrame, source: str) -> str:
         "\"best\" (`cudal2/protocol.py`). The speedup is the lower of the CUPTI and in-graph ratios against the",
         "fastest of cuBLAS, cuBLASLt (autotuned) and torch.matmul in the same run; a win or a loss is beyond",
         f"{TIE:.0%} of 1.0. The floor is the larger of every byte moved once at the sustained copy rate and the",
-        "FLOPs at the sustained tensor rate, launch excluded (`cudal2/roofline.py`); `kernel / floor` and",
+        "FLOPs at the sustained tensor rate, launch excluded (`cudal2/results/roofline.py`); `kernel / floor` and",
         "`library / floor` are the floor over each one's time (1.0 is the limit; large calls shorter than 8192^3 run",
         "above the power-capped rate and read a little over 1), medians per regime; `library at the floor` counts the",
         f"problems whose library call is within {TIE:.0%} of the floor, where no kernel can win. Times are those of the claimed method.",

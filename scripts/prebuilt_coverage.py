@@ -18,10 +18,10 @@ from collections import defaultdict
 
 from pathlib import Path
 
-from cudal2.cost import predict_us, rank, recorded_device
-from cudal2.leaderboard import shipped
-from cudal2.render import load_templates
-from cudal2.roofline import regime
+from cudal2.search.cost import predict_us, rank, recorded_device
+from cudal2.results.leaderboard import shipped
+from cudal2.kernels.render import load_templates
+from cudal2.results.roofline import regime
 from cudal2.shapes import read_shapes
 
 

@@ -6,7 +6,7 @@ check (scripts/remeasure.py) disagree, or where the two methods disagree with ea
 
 For the chosen rows (0-based data rows) of the shape set, the leaderboard's best kernel,
 cuBLASLt (the heuristic's first algorithm) and torch.matmul are timed through the
-protocol's own code (cudal2/measure.py) in these variants:
+protocol's own code (cudal2/measure/measure.py) in these variants:
 
 - `graph, no CUPTI`: the graph method before CUPTI is ever enabled in this process, behind
   the protocol's neighbour, and behind a neighbour that touches no memory (`compute`);
@@ -55,16 +55,16 @@ sys.path.insert(0, str(ROOT))
 
 import cupy  # noqa: E402
 
-from cudal2.baselines import CublasLt, abi_call, build_baselines, torch_gemm  # noqa: E402
-from cudal2.bench import graph_rounds, kernel_rounds  # noqa: E402
-from cudal2.compile import Compiler  # noqa: E402
+from cudal2.measure.baselines import CublasLt, abi_call, build_baselines, torch_gemm  # noqa: E402
+from cudal2.measure.bench import graph_rounds, kernel_rounds  # noqa: E402
+from cudal2.kernels.compile import Compiler  # noqa: E402
 from cudal2.config import load_settings  # noqa: E402
-from cudal2.environment import default_arch  # noqa: E402
-from cudal2.leaderboard import Leaderboard, best, select  # noqa: E402
-from cudal2.measure import CuptiTimer, InputSets  # noqa: E402
+from cudal2.measure.environment import default_arch  # noqa: E402
+from cudal2.results.leaderboard import Leaderboard, best, select  # noqa: E402
+from cudal2.measure.measure import CuptiTimer, InputSets  # noqa: E402
 from cudal2.shapes import read_shapes  # noqa: E402
-from cudal2.verify import Kernel, poison_output  # noqa: E402
-import cudal2.measure as measure  # noqa: E402
+from cudal2.measure.verify import Kernel, poison_output  # noqa: E402
+import cudal2.measure.measure as measure  # noqa: E402
 
 # The neighbour the protocol first used (and these variants' default): an elementwise pass
 # over 8 MB in 264 grid-stride blocks; the protocol's own is one over 512 KB.

@@ -48,18 +48,18 @@ import pandas as pd
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from cudal2.baselines import build_baselines  # noqa: E402
+from cudal2.measure.baselines import build_baselines  # noqa: E402
 from cudal2.protocol import PROTOCOL  # noqa: E402
-from cudal2.compile import Compiler  # noqa: E402
+from cudal2.kernels.compile import Compiler  # noqa: E402
 from cudal2.config import load_settings  # noqa: E402
-from cudal2.environment import gpu_temperature  # noqa: E402
-from cudal2.measure import busy_per_window  # noqa: E402
-from cudal2.leaderboard import Leaderboard, best, select  # noqa: E402
+from cudal2.measure.environment import gpu_temperature  # noqa: E402
+from cudal2.measure.measure import busy_per_window  # noqa: E402
+from cudal2.results.leaderboard import Leaderboard, best, select  # noqa: E402
 from cudal2.problem import Problem  # noqa: E402
 from cudal2.shapes import read_shapes  # noqa: E402
 # The protocol's thresholds, so that both sides time a call in the same state: rounds
 # alternated from INTERLEAVE_US, a soak first from SOAK_US.
-from cudal2.worker import INTERLEAVE_US, SOAK_S, SOAK_US  # noqa: E402
+from cudal2.measure.worker import INTERLEAVE_US, SOAK_S, SOAK_US  # noqa: E402
 
 SETS, GRAPH_CALLS, ROUNDS = 3, 20, 10
 SETTLE_C, COOL_S, HEAT_S = 2, 120.0, 30.0  # a long row is timed within 2 C of the protocol's
@@ -101,7 +101,7 @@ def rotated(names: list[str], r: int) -> list[str]:
 
 
 def neighbour(torch):
-    """The protocol's own neighbour kernel (cudal2.measure: an in-place sin over 512 KB, in
+    """The protocol's own neighbour kernel (cudal2.measure.measure: an in-place sin over 512 KB, in
     the same launch shape), on memory torch owns, launched through CuPy on torch's current
     stream. What runs ahead of a kernel launched with PDL moves its in-graph time by up to
     0.5 us (scripts/protocol_probe.py --graphs); behind torch's sin_, this check's graph read
@@ -109,7 +109,7 @@ def neighbour(torch):
     and the protocol use the same neighbour."""
     import cupy
 
-    from cudal2.measure import NEIGHBOUR_FLOATS, NEIGHBOUR_SOURCE
+    from cudal2.measure.measure import NEIGHBOUR_FLOATS, NEIGHBOUR_SOURCE
 
     kernel = cupy.RawKernel(NEIGHBOUR_SOURCE, "cudal2_neighbour")
     scratch = torch.ones(NEIGHBOUR_FLOATS, device="cuda")
@@ -231,8 +231,8 @@ def open_row(method: str, job: dict):
     import torch
     import torch.nn.functional as F
 
-    from cudal2.baselines import CublasLt
-    from cudal2.verify import Kernel
+    from cudal2.measure.baselines import CublasLt
+    from cudal2.measure.verify import Kernel
 
     p = Problem(**job["problem"])
     sets = input_sets(p)

@@ -16,7 +16,7 @@ from pathlib import Path
 import jinja2
 import pytest
 
-from cudal2.compile import Compiler, cache_key
+from cudal2.kernels.compile import Compiler, cache_key
 
 ROOT = Path(__file__).resolve().parent.parent
 FIXTURES = Path(__file__).resolve().parent / "kernels"
@@ -60,7 +60,7 @@ def cache_dir(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="session")
 def arch() -> str:
-    from cudal2.environment import default_arch
+    from cudal2.measure.environment import default_arch
 
     return default_arch(gpu_cc()) if gpu_count() else "sm_90a"
 
@@ -186,9 +186,9 @@ def verifier_failures(kernel, shapes, dtype: str, layout: str, seed: int) -> lis
 
     import cupy
 
-    from cudal2.baselines import cublas_gemm
+    from cudal2.measure.baselines import cublas_gemm
     from cudal2.problem import Problem
-    from cudal2.verify import verify
+    from cudal2.measure.verify import verify
 
     rng = random.Random(seed)
     stream = cupy.cuda.Stream(non_blocking=True)
@@ -214,7 +214,7 @@ def split_k_reset_failures(kernel, seed: int, deterministic: bool = True) -> lis
     import cupy
 
     from cudal2.problem import Problem
-    from cudal2.verify import Numerics, Operands, compare
+    from cudal2.measure.verify import Numerics, Operands, compare
 
     rng, num = random.Random(seed), Numerics("bf16")
     stream = cupy.cuda.Stream(non_blocking=True)

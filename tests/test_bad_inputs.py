@@ -9,7 +9,7 @@ import tarfile
 import pytest
 
 from cudal2.cli import main
-from cudal2.leaderboard import SHIPPED, Leaderboard
+from cudal2.results.leaderboard import SHIPPED, Leaderboard
 
 from conftest import gpu_count
 from test_leaderboard import row

@@ -8,9 +8,9 @@ from pathlib import Path
 import pytest
 from conftest import gpu_count
 
-from cudal2.bench import INPUT_SETS, OFFLINE_METHODS, claimed, graph_rounds, kernel_rounds
-from cudal2.measure import window_totals
-from cudal2.pipeline import timing_columns
+from cudal2.measure.bench import INPUT_SETS, OFFLINE_METHODS, claimed, graph_rounds, kernel_rounds
+from cudal2.measure.measure import window_totals
+from cudal2.tune.pipeline import timing_columns
 
 
 class StandInTimer:
@@ -127,7 +127,7 @@ def test_a_rested_round_idles_the_gpu_after_each_contestants_replay_for_its_shar
     import importlib
 
     slept = []
-    monkeypatch.setattr(importlib.import_module("cudal2.bench").time, "sleep", slept.append)
+    monkeypatch.setattr(importlib.import_module("cudal2.measure.bench").time, "sleep", slept.append)
     replays = {None: 500.0, "a": 2500.0, "b": 3500.0}
     samples = graph_rounds(["a", "b"], replay=replays.__getitem__, calls=3, budget_s=0.0, rng=random.Random(0),
                            min_rounds=2, rest=1.5)
@@ -140,8 +140,8 @@ def test_a_rested_round_idles_the_gpu_after_each_contestants_replay_for_its_shar
 
 
 def test_only_a_screening_session_of_long_calls_rests_the_gpu():
-    from cudal2.measure import graph_rest
-    from cudal2.worker import SCREEN_REST, SOAK_US
+    from cudal2.measure.measure import graph_rest
+    from cudal2.measure.worker import SCREEN_REST, SOAK_US
 
     screening = {"screen": True, "screen_rest": SCREEN_REST}
     assert graph_rest(screening, SOAK_US) == graph_rest(screening, 40 * SOAK_US) == SCREEN_REST > 0
@@ -151,7 +151,7 @@ def test_only_a_screening_session_of_long_calls_rests_the_gpu():
 
 
 def test_a_screening_job_carries_its_rest():
-    from cudal2.worker import SCREEN_REST
+    from cudal2.measure.worker import SCREEN_REST
 
     ok = {"status": "ok", "error": "", "max_error": 1e-4, "tolerance": 0.01}
     session = (session_answers({"status": "ok", "typical_us": 400.0}, {"graph": timed("kernel:0")}), None)
@@ -230,7 +230,7 @@ class StandInLt:
 
 
 def test_cublaslt_autotuning_times_the_close_algorithms_again_and_keeps_the_fastest():
-    from cudal2.baselines import AUTOTUNE_S, DEFAULT, autotune
+    from cudal2.measure.baselines import AUTOTUNE_S, DEFAULT, autotune
     from cudal2.problem import Problem
 
     asked = []
@@ -260,8 +260,8 @@ def test_cublaslt_autotuning_times_the_close_algorithms_again_and_keeps_the_fast
 def test_cublaslts_choice_is_kept_per_problem_gpu_driver_and_library_and_checked_when_read(tmp_path, monkeypatch):
     import json
 
-    import cudal2.baselines as baselines
-    from cudal2.baselines import names_its_algorithm, pick_key, read_pick, write_pick
+    import cudal2.measure.baselines as baselines
+    from cudal2.measure.baselines import names_its_algorithm, pick_key, read_pick, write_pick
     from cudal2.problem import Problem
 
     h200 = {"gpu": "NVIDIA H200", "cc": 90, "driver": "580.95.05"}
@@ -306,7 +306,7 @@ def test_cublaslts_choice_is_kept_per_problem_gpu_driver_and_library_and_checked
 
 
 def test_cublaslts_finalists_keep_the_heuristics_first_and_are_judged_offline():
-    from cudal2.baselines import choose_finalist, finalists
+    from cudal2.measure.baselines import choose_finalist, finalists
 
     record = {"index": 5, "retimed": [5, 4, 1, 2], "finalist_configs": {"5": {"tile": 5}, "0": {"tile": 0}}}
     assert finalists(record) == [5, 0, 4, 1]  # what a plain cuBLASLt call runs is always among them
@@ -350,7 +350,7 @@ class StandInChild:
 
 
 def two_phase_worker(graph_answer, cupti_answer):
-    from cudal2.worker import Worker
+    from cudal2.measure.worker import Worker
 
     worker, log = Worker(), []
     worker._graph = StandInChild("graph", graph_answer, log)
@@ -398,9 +398,9 @@ def session_answers(opened, timings, failing_round=None, failure=None):
 
 
 def test_a_session_opens_both_processes_then_alternates_their_rounds_and_merges_the_timings(monkeypatch):
-    from cudal2.worker import MIN_ROUNDS, SOAK_S, SOAK_US
+    from cudal2.measure.worker import MIN_ROUNDS, SOAK_S, SOAK_US
 
-    monkeypatch.setattr("cudal2.worker.gpu_temperature", lambda device: 57)
+    monkeypatch.setattr("cudal2.measure.worker.gpu_temperature", lambda device: 57)
 
     record = {"index": 3, "of": 8}
     worker, log = two_phase_worker(
@@ -425,7 +425,7 @@ def test_a_session_opens_both_processes_then_alternates_their_rounds_and_merges_
 
 
 def test_calls_between_the_two_thresholds_alternate_without_a_soak():
-    from cudal2.worker import INTERLEAVE_US, MIN_ROUNDS, SOAK_US
+    from cudal2.measure.worker import INTERLEAVE_US, MIN_ROUNDS, SOAK_US
 
     worker, log = two_phase_worker(
         session_answers({"status": "ok", "typical_us": (INTERLEAVE_US + SOAK_US) / 2}, {"graph": {"kernel:0": 1}}),
@@ -438,7 +438,7 @@ def test_calls_between_the_two_thresholds_alternate_without_a_soak():
 def test_a_job_may_ask_for_fewer_rounds_than_a_session_of_kernels_gets():
     """The baselines' own session (pipeline.measure_baselines) asks for 3 rounds a process:
     with 5, the longest calls of the grid took over 2 s there alone."""
-    from cudal2.worker import INTERLEAVE_US
+    from cudal2.measure.worker import INTERLEAVE_US
 
     worker, log = two_phase_worker(
         session_answers({"status": "ok", "typical_us": 2 * INTERLEAVE_US}, {"graph": {"kernel:0": 1}}),
@@ -451,7 +451,7 @@ def test_a_job_may_ask_for_fewer_rounds_than_a_session_of_kernels_gets():
 
 
 def test_short_calls_are_timed_in_one_block_per_process_the_graph_first():
-    from cudal2.worker import INTERLEAVE_US, MIN_ROUNDS
+    from cudal2.measure.worker import INTERLEAVE_US, MIN_ROUNDS
 
     worker, log = two_phase_worker(
         session_answers({"status": "ok", "typical_us": INTERLEAVE_US / 4}, {"graph": {"kernel:0": 1}}),
@@ -465,7 +465,7 @@ def test_a_session_of_more_contestants_times_longer_so_each_gets_the_rounds_it_w
     """A round of a session of 8 kernels and 3 baselines times 11 contestants: for the same
     rounds per contestant as a kernel timed alone with the baselines, 11/4 of the budget. The
     baselines alone get the budget of one kernel's session, and with 3 finalists 6/4 of it."""
-    import cudal2.worker as worker_module
+    import cudal2.measure.worker as worker_module
 
     clock = iter(range(10_000))
     monkeypatch.setattr(worker_module.time, "perf_counter", lambda: next(clock) * 0.01)  # 10 ms a request
@@ -636,14 +636,14 @@ def test_the_baselines_session_is_short_and_reuses_the_choice_kept_on_this_machi
     """The first measurement of a problem autotunes and decides between the finalists; a
     later run (a fresh context) sends the kept choice and asks for none; a choice the worker
     found stale comes back re-made and replaces the kept one."""
-    from cudal2.baselines import PICKS, SESSION_BUDGET_S, SESSION_MIN_ROUNDS, SESSION_SOAK_S, read_pick
-    from cudal2.compile import Compiler
+    from cudal2.measure.baselines import PICKS, SESSION_BUDGET_S, SESSION_MIN_ROUNDS, SESSION_SOAK_S, read_pick
+    from cudal2.kernels.compile import Compiler
     from cudal2.config import Settings
-    from cudal2.leaderboard import Leaderboard
-    from cudal2.pipeline import Context, measure_baselines
+    from cudal2.results.leaderboard import Leaderboard
+    from cudal2.tune.pipeline import Context, measure_baselines
     from cudal2.problem import Problem
 
-    monkeypatch.setattr("cudal2.pipeline.cublaslt_version", lambda: "libcublasLt.so.13:551000000")
+    monkeypatch.setattr("cudal2.tune.pipeline.cublaslt_version", lambda: "libcublasLt.so.13:551000000")
     config = {"algo": 22, "tile": 2, "stages": 3, "splitk": 1, "reduction": 0, "swizzle": 0, "custom": 0, "cluster": 0}
     autotuned = {"index": 2, "of": 4, "cublaslt_version": 130001, "us": 9.2, **config, "finalists": [2, 0],
                  "finalist_configs": {"2": config, "0": {**config, "algo": 20, "tile": 0}}}
@@ -686,10 +686,10 @@ def json_entries(path):
 
 
 def test_a_screening_session_verifies_each_kernel_then_times_the_graph_method_alone_for_a_few_rounds():
-    """The screening pass (cudal2/optimize.py): every kernel verified as in the protocol,
+    """The screening pass (cudal2/tune/optimize.py): every kernel verified as in the protocol,
     then one session in the graph process only (no CUPTI process), SCREEN_ROUNDS rounds and
     the finish's checks; its rows carry the graph method's timings alone."""
-    from cudal2.worker import SCREEN_ROUNDS
+    from cudal2.measure.worker import SCREEN_ROUNDS
 
     ok = {"status": "ok", "error": "", "max_error": 1e-4, "tolerance": 0.01}
     verdicts = {"a.so": ok, "b.so": {"status": "wrong", "error": "max error"}, "c.so": ok}
@@ -707,7 +707,7 @@ def test_a_screening_session_verifies_each_kernel_then_times_the_graph_method_al
 def test_a_screening_session_of_millisecond_calls_times_one_round():
     """Where the library's call takes a millisecond or more, one replay of a kernel's graph
     (three calls) ranks it: a 5 s budget then screens more of the batch."""
-    from cudal2.worker import LONG_SCREEN_US
+    from cudal2.measure.worker import LONG_SCREEN_US
 
     ok = {"status": "ok", "error": "", "max_error": 1e-4, "tolerance": 0.01}
     for typical, rounds in ((LONG_SCREEN_US / 2, 3), (LONG_SCREEN_US, 1), (4 * LONG_SCREEN_US, 1)):

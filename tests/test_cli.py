@@ -4,7 +4,7 @@ import pytest
 from typer.testing import CliRunner
 
 from cudal2.cli import app
-from cudal2.leaderboard import Leaderboard
+from cudal2.results.leaderboard import Leaderboard
 
 from conftest import gpu_count
 from test_leaderboard import row
@@ -155,7 +155,7 @@ def test_leaderboard_reports_a_shape_set_with_its_geometric_mean(results, tmp_pa
 
 
 def test_a_tuned_shape_sets_summary_counts_ties_apart_from_wins_and_losses():
-    from cudal2.tables import set_summary, verdict_line
+    from cudal2.results.tables import set_summary, verdict_line
 
     runs = [{"best": {"speedup_offline": v}, "wall_s": 1.0} for v in (1.05, 1.02, 0.99, 0.96)] + [{"best": None, "wall_s": 2.0}]
     total = set_summary(runs, "offline")
@@ -190,7 +190,7 @@ def test_leaderboard_filters_top_and_status(results):
 
 
 def test_a_results_directory_without_a_leaderboard_shows_the_shipped_measurements(tmp_path):
-    from cudal2.leaderboard import shipped
+    from cudal2.results.leaderboard import shipped
 
     table = run("leaderboard", "--results", tmp_path / "nowhere")
     assert table.exit_code == 0 and "measurements shipped with cudal2" in table.stderr and "128" in table.stdout

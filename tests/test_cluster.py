@@ -10,10 +10,10 @@ import pytest
 
 distributed = pytest.importorskip("distributed")
 
-from cudal2.cluster import check_uniform, optimize_on_cluster  # noqa: E402
+from cudal2.tune.cluster import check_uniform, optimize_on_cluster  # noqa: E402
 from cudal2.config import Settings  # noqa: E402
 from cudal2.errors import Cudal2Error  # noqa: E402
-from cudal2.leaderboard import Leaderboard, source_hash  # noqa: E402
+from cudal2.results.leaderboard import Leaderboard, source_hash  # noqa: E402
 from cudal2.problem import Problem  # noqa: E402
 
 from conftest import gpu_count  # noqa: E402
@@ -119,8 +119,8 @@ def test_the_cli_refuses_a_cluster_whose_workers_cannot_see_a_gpu(client, tmp_pa
 def test_a_task_starts_from_the_head_s_rows_and_returns_only_its_own(tmp_path, monkeypatch):
     """tune_task around the optimize loop (stood in: it needs the GPU), on real part files."""
     import cudal2.api
-    from cudal2.cluster import tune_task
-    from cudal2.leaderboard import compact
+    from cudal2.tune.cluster import tune_task
+    from cudal2.results.leaderboard import compact
 
     head = Leaderboard(tmp_path / "head")
     head.append([{"run_id": "earlier", "gpu": "NVIDIA H200", "m": 32, "n": 32, "k": 32, "dtype": "fp16",
@@ -160,7 +160,7 @@ def test_a_cluster_address_that_does_not_answer_is_one_line(tmp_path):
 def test_a_task_on_a_dask_worker_process_starts_the_gpu_workers_processes(tmp_path):
     """Dask runs tasks in daemon processes, which multiprocessing lets start no children;
     the real task starts the GPU worker's anyway (here, with no GPU, they say so)."""
-    from cudal2.cluster import tune_task
+    from cudal2.tune.cluster import tune_task
 
     with distributed.LocalCluster(n_workers=1, threads_per_worker=1, processes=True, dashboard_address=":0") as cluster, \
             distributed.Client(cluster) as client:

@@ -4,12 +4,12 @@ from pathlib import Path
 
 import pytest
 
-from cudal2.baselines import cublas_location
-from cudal2.compile import (RESOURCES_TAG, Cancelled, Compiler, cache_key, cutlass_include, cutlass_version,
+from cudal2.measure.baselines import cublas_location
+from cudal2.kernels.compile import (RESOURCES_TAG, Cancelled, Compiler, cache_key, cutlass_include, cutlass_version,
                             declared_resources, library_symbols, nvcc_version, parse_ptxas)
 from cudal2.problem import Problem
-from cudal2.render import get_template, max_smem, render, template_candidate
-from cudal2.verify import Kernel, forbidden_imports
+from cudal2.kernels.render import get_template, max_smem, render, template_candidate
+from cudal2.measure.verify import Kernel, forbidden_imports
 
 from conftest import ROOT, fixture_source
 
@@ -147,7 +147,7 @@ def test_a_compile_stopped_by_a_signal_is_not_cached(tmp_path, monkeypatch, scri
     nvcc.write_text(f"#!/bin/sh\n{script}\n")
     nvcc.chmod(0o755)
     nvcc_version()  # the real one's, which names the cache entries (read once, before the fake stands in)
-    monkeypatch.setattr("cudal2.compile.find_nvcc", lambda: str(nvcc))
+    monkeypatch.setattr("cudal2.kernels.compile.find_nvcc", lambda: str(nvcc))
     compiler = Compiler("sm_90a", tmp_path / "cache")
     build = compiler.compile("// any source\n")
     assert build.status == "compile_error" and "not cached" in build.log
@@ -258,8 +258,8 @@ def check_cutlass_build(params: dict, build) -> None:
 def sample_of_space(template: str, count: int, seed: int) -> list:
     import random
 
-    from cudal2.candidate import Candidate
-    from cudal2.render import get_template
+    from cudal2.kernels.candidate import Candidate
+    from cudal2.kernels.render import get_template
 
     configs = list(get_template(template).space.configurations(90))
     return [Candidate.from_template(template, c) for c in random.Random(seed).sample(configs, count)]
@@ -286,7 +286,7 @@ def test_a_random_sample_of_the_sm90_space_compiles(compiler):
 @pytest.mark.nvcc
 @pytest.mark.skipif(cublas_location() is None, reason="cuBLAS headers not installed (pip install nvidia-cublas)")
 def test_the_library_baselines_compile_behind_the_kernel_abi(compiler):
-    from cudal2.baselines import build_baselines
+    from cudal2.measure.baselines import build_baselines
 
     for problem in (Problem(64, 64, 64), Problem(16, 4096, 4096, "bf16", "nt")):
         libraries = build_baselines(compiler, problem)

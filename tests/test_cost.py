@@ -4,10 +4,10 @@ import math
 import pandas as pd
 import pytest
 
-from cudal2.cost import predict_us, rank, recorded_device
-from cudal2.environment import dram_bandwidth
+from cudal2.search.cost import predict_us, rank, recorded_device
+from cudal2.measure.environment import dram_bandwidth
 from cudal2.problem import Problem
-from cudal2.render import get_template, load_templates
+from cudal2.kernels.render import get_template, load_templates
 
 H200 = {"cc": 90, "sm_count": 132, "max_sm_clock_mhz": 1980, "memory_clock_khz": 3201000, "memory_bus_bits": 6016}
 
@@ -174,7 +174,7 @@ def test_an_sm_streams_its_ctas_operands_no_faster_than_measured(monkeypatch):
     # A full GPU's tiles each read a share no SM is slowed by: the term moves nothing there.
     large = Problem(4096, 4096, 4096)
     priced = predict_us(get_template("sm90_cutlass"), sm90(), large, H200)
-    monkeypatch.setattr("cudal2.cost.SM_STREAM_BYTES_PER_CLOCK", math.inf)
+    monkeypatch.setattr("cudal2.search.cost.SM_STREAM_BYTES_PER_CLOCK", math.inf)
     assert predict_us(get_template("sm90_cutlass"), sm90(), large, H200) == priced
 
 
@@ -213,8 +213,8 @@ def test_ranking_agrees_with_the_recorded_h200_measurements():
     one within 5% of the fastest."""
     import json
 
-    from cudal2.cost import measured_configurations
-    from cudal2.leaderboard import shipped
+    from cudal2.search.cost import measured_configurations
+    from cudal2.results.leaderboard import shipped
 
     df = shipped(protocol=None)
     checked, missed = 0, []
@@ -240,7 +240,7 @@ def test_a_time_budgeted_run_is_checked_by_its_screened_rows():
     against; the confirmed ones are read as before."""
     import pandas as pd
 
-    from cudal2.cost import measured_configurations
+    from cudal2.search.cost import measured_configurations
     from cudal2.protocol import PROTOCOL, SCREEN_PROTOCOL, SCREENED
 
     def row(status, protocol, tile_n, graph, offline):

@@ -6,8 +6,8 @@ import pytest
 
 from cudal2.errors import Cudal2Error
 from cudal2.problem import Problem
-from cudal2.render import get_template, render, template_candidate
-from cudal2.verify import forbidden_imports
+from cudal2.kernels.render import get_template, render, template_candidate
+from cudal2.measure.verify import forbidden_imports
 
 
 @pytest.mark.nvcc

@@ -13,17 +13,17 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-from cudal2.candidate import Candidate
+from cudal2.kernels.candidate import Candidate
 from cudal2.cli import app
 from cudal2.config import Settings
-from cudal2.leaderboard import BASELINES, Leaderboard
-from cudal2.pipeline import Context, evaluate, measure_baselines
+from cudal2.results.leaderboard import BASELINES, Leaderboard
+from cudal2.tune.pipeline import Context, evaluate, measure_baselines
 from cudal2.problem import Problem
-from cudal2.render import get_template, render, template_candidate
+from cudal2.kernels.render import get_template, render, template_candidate
 from cudal2.runtime import DispatchTable
-from cudal2.verify import Kernel, Numerics, Operands, Rejected, checked_call, compare, trusted_error
-from cudal2.baselines import cublas_gemm
-from cudal2.worker import Worker
+from cudal2.measure.verify import Kernel, Numerics, Operands, Rejected, checked_call, compare, trusted_error
+from cudal2.measure.baselines import cublas_gemm
+from cudal2.measure.worker import Worker
 
 from conftest import ROOT, fenced, fixture_source, gpu_cc
 
@@ -196,7 +196,7 @@ def test_cluster_slots_are_whole_clusters_of_the_gpus_sms(tmp_path):
     import shutil
     import subprocess
 
-    from cudal2.environment import describe_device, measure_cluster_slots
+    from cudal2.measure.environment import describe_device, measure_cluster_slots
 
     device = describe_device(0)
     if device["cc"] < 90:
@@ -346,7 +346,7 @@ def test_the_screening_checks_reject_every_broken_kernel_at_a_fraction_of_the_ca
 
     import cupy
 
-    from cudal2.verify import forbidden_imports, verify
+    from cudal2.measure.verify import forbidden_imports, verify
 
     problem, rng = Problem(512, 512, 512), random.Random(5)
     stream = cupy.cuda.Stream(non_blocking=True)
@@ -381,7 +381,7 @@ def test_the_screening_checks_reject_every_broken_kernel_at_a_fraction_of_the_ca
 
 def test_a_screening_pass_shares_its_checks_inputs_and_no_kernel_leaves_the_next_a_wrong_one(compiler):
     """verify's `screen` on one ScreenInputs for every kernel, as a worker's screening pass
-    runs them (cudal2/jobs.py: the sets rebuilt where not intact): every broken fixture gets a
+    runs them (cudal2/measure/jobs.py: the sets rebuilt where not intact): every broken fixture gets a
     verdict it gets on inputs of its own (the cached one still caught by its second call on the
     same pointers), and the honest kernel is accepted right after each of them; a byte changed
     in a kept reference leaves the sets not intact; and a template kernel's screening makes its
@@ -390,7 +390,7 @@ def test_a_screening_pass_shares_its_checks_inputs_and_no_kernel_leaves_the_next
 
     import cupy
 
-    from cudal2.verify import ScreenInputs, forbidden_imports, verify
+    from cudal2.measure.verify import ScreenInputs, forbidden_imports, verify
 
     problem, rng = Problem(512, 512, 512), random.Random(7)
     stream = cupy.cuda.Stream(non_blocking=True)
@@ -511,7 +511,7 @@ def test_kernels_timed_together_read_as_each_does_alone(context):
     the same rounds): against its own session's cuBLAS, each kernel reads within 5% of what
     it reads in a session of its own (the mean of one before and one after), by both methods;
     and the baselines' session decided cuBLASLt between its finalists."""
-    from cudal2.pipeline import build_all, measure_rows
+    from cudal2.tune.pipeline import build_all, measure_rows
 
     ctx = context(Problem(2048, 2048, 2048))
     configs = CONFIGS + (SPLIT_CONFIGS[:1] if gpu_cc() >= 90 else ())
@@ -805,9 +805,9 @@ def test_a_screening_session_of_long_calls_times_the_library_as_the_protocol_doe
     412 us among 64 kernels where its baselines' session timed 361). A screening session
     rests the GPU after each replay (worker.SCREEN_REST), so its own library call reads as
     the protocol's does (357 against 361 there), and its kernels rank as they confirm."""
-    from cudal2.pipeline import build_all, measure_rows
-    from cudal2.render import template_grid
-    from cudal2.worker import SOAK_US
+    from cudal2.tune.pipeline import build_all, measure_rows
+    from cudal2.kernels.render import template_grid
+    from cudal2.measure.worker import SOAK_US
 
     problem = Problem(16384, 2048, 4096)
     ctx = context(problem)
@@ -841,7 +841,7 @@ def test_screening_checks_every_kernel_and_ranks_as_the_protocol_does(context):
     confirmation. Prints where the seconds go: verification, a screening session, a full one."""
     import time
 
-    from cudal2.pipeline import build_all, measure_rows
+    from cudal2.tune.pipeline import build_all, measure_rows
     from cudal2.protocol import PROTOCOL, SCREEN_PROTOCOL, SCREENED
 
     problem = Problem(2048, 2048, 2048)

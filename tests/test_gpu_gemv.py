@@ -8,10 +8,10 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from cudal2.baselines import build_baselines
-from cudal2.pipeline import evaluate
+from cudal2.measure.baselines import build_baselines
+from cudal2.tune.pipeline import evaluate
 from cudal2.problem import Problem
-from cudal2.render import template_candidate
+from cudal2.kernels.render import template_candidate
 
 from conftest import gpu_cc
 from test_gpu import context, template_failures  # noqa: F401  (context: the fixture, a worker and a leaderboard per problem)

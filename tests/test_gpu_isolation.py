@@ -11,13 +11,13 @@ import re
 
 import pytest
 
-from cudal2.candidate import Candidate
+from cudal2.kernels.candidate import Candidate
 from cudal2.config import Settings
-from cudal2.leaderboard import Leaderboard
-from cudal2.pipeline import Context, evaluate
+from cudal2.results.leaderboard import Leaderboard
+from cudal2.tune.pipeline import Context, evaluate
 from cudal2.problem import Problem
-from cudal2.verify import Kernel, Numerics, Operands
-from cudal2.worker import Worker
+from cudal2.measure.verify import Kernel, Numerics, Operands
+from cudal2.measure.worker import Worker
 
 from conftest import fixture_source
 

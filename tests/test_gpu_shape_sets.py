@@ -13,7 +13,7 @@ import pytest
 from typer.testing import CliRunner
 
 from cudal2.cli import app
-from cudal2.leaderboard import BASELINES, Leaderboard
+from cudal2.results.leaderboard import BASELINES, Leaderboard
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(
     not os.environ.get("CUDAL2_PREBUILT"), reason="no prebuilt kernel set ($CUDAL2_PREBUILT: a `prebuild --pack` tarball)")]

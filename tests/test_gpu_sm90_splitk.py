@@ -17,8 +17,8 @@ import random
 import pytest
 
 from cudal2.problem import Problem
-from cudal2.render import render, template_candidate
-from cudal2.verify import Kernel, Numerics, Operands
+from cudal2.kernels.render import render, template_candidate
+from cudal2.measure.verify import Kernel, Numerics, Operands
 
 from conftest import gpu_cc, split_k_reset_failures, verifier_failures
 

@@ -41,7 +41,7 @@ def test_a_draw_is_fresh_grid_shapes_the_same_for_the_same_seed():
 
 
 def test_a_draw_leaves_out_the_problems_of_every_results_directory_given(tmp_path):
-    from cudal2.leaderboard import Leaderboard
+    from cudal2.results.leaderboard import Leaderboard
 
     first = grid_sample.draw(5, seed=7, results=None, midpoints=True)
     for i, p in enumerate(first[:2]):  # two earlier samples, one shape each

@@ -5,7 +5,7 @@ import tomllib
 
 import pytest
 
-from cudal2 import compile as compile_stage
+from cudal2.kernels import compile as compile_stage
 
 from conftest import ROOT
 

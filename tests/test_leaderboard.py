@@ -7,7 +7,7 @@ import pytest
 
 from cudal2.protocol import PROTOCOL
 from cudal2.errors import Cudal2Error
-from cudal2.leaderboard import COLUMNS, SCHEMA, Leaderboard, best
+from cudal2.results.leaderboard import COLUMNS, SCHEMA, Leaderboard, best
 
 
 def row(kernel, speedup, status="ok", m=4096, source_hash=None, **extra):
@@ -44,7 +44,7 @@ def test_each_part_is_read_once_and_new_or_removed_parts_are_seen(tmp_path, monk
     read again, what another writer adds is, and a migration's removals are gone."""
     import importlib
 
-    module = importlib.import_module("cudal2.leaderboard")  # (cudal2.leaderboard is also the API function)
+    module = importlib.import_module("cudal2.results.leaderboard")
 
     reads = []
     real = module._read_part
@@ -102,7 +102,7 @@ def test_sources_are_stored_by_content_hash(tmp_path):
 
 
 def test_parts_from_before_the_protocol_column_read_as_back_to_back(tmp_path):
-    """Offline times taken before the fence (cudal2/bench.py) stay marked as such: their
+    """Offline times taken before the fence (cudal2/measure/bench.py) stay marked as such: their
     speedups are not comparable with fenced ones for kernels that launch early."""
     lb = Leaderboard(tmp_path)
     lb.append([row("new", 1.0, protocol="fenced")])
@@ -146,7 +146,7 @@ def test_old_parts_migrate_into_one_part_of_the_current_schema(tmp_path):
 
 
 def test_the_shipped_measurements_are_in_the_current_schema():
-    from cudal2.leaderboard import SHIPPED
+    from cudal2.results.leaderboard import SHIPPED
 
     assert pq.read_schema(SHIPPED).names == COLUMNS
 
@@ -160,7 +160,7 @@ def test_rows_of_earlier_protocols_are_never_ranked_with_the_protocols(tmp_path)
 
 
 def test_the_shipped_measurements_keep_verified_configurations_without_logs_or_sources(tmp_path):
-    from cudal2.leaderboard import _read_part, compact
+    from cudal2.results.leaderboard import _read_part, compact
 
     lb = Leaderboard(tmp_path)
     lb.append([row("fast", 1.2, template="sm80_mma", params='{"split_k": 1}', error=None, registers=128,
@@ -177,7 +177,7 @@ def test_the_shipped_measurements_keep_verified_configurations_without_logs_or_s
 
 
 def test_the_search_starts_from_this_gpu_s_measurements_here_and_shipped(tmp_path):
-    from cudal2.leaderboard import priors, shipped
+    from cudal2.results.leaderboard import priors, shipped
 
     lb = Leaderboard(tmp_path)
     lb.append([row("here", 1.3, m=300, template="sm80_mma", params='{"split_k": 2}'),
@@ -207,7 +207,7 @@ def test_the_search_starts_from_this_gpu_s_measurements_here_and_shipped(tmp_pat
 
 def test_a_fresh_machine_re_measures_what_was_shipped_for_its_gpu(tmp_path):
     from cudal2.api import known_candidates
-    from cudal2.leaderboard import shipped
+    from cudal2.results.leaderboard import shipped
     from cudal2.problem import Problem
 
     rows = shipped(protocol=None)
@@ -250,7 +250,7 @@ def test_ship_measurements_adds_new_results_to_what_was_shipped(tmp_path):
     import sys
     from pathlib import Path
 
-    from cudal2.leaderboard import _read_part
+    from cudal2.results.leaderboard import _read_part
 
     first, second, out = tmp_path / "a", tmp_path / "b", tmp_path / "shipped.parquet"
     Leaderboard(first).append([row("old", 1.1, template="sm80_mma", params='{"split_k": 1}')])
@@ -283,10 +283,10 @@ def test_ship_measurements_current_keeps_only_rows_whose_configuration_renders_t
     import sys
     from pathlib import Path
 
-    from cudal2.candidate import Candidate
-    from cudal2.leaderboard import _read_part, source_hash
+    from cudal2.kernels.candidate import Candidate
+    from cudal2.results.leaderboard import _read_part, source_hash
     from cudal2.problem import Problem
-    from cudal2.render import get_template, render
+    from cudal2.kernels.render import get_template, render
 
     params = get_template("sm80_mma").space.complete({"split_k": 2})
     today = source_hash(render(Candidate.from_template("sm80_mma", params), Problem(4096, 4096, 4096)))

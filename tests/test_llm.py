@@ -11,12 +11,12 @@ import time
 
 import pytest
 
-from cudal2.candidate import Candidate, Invalid
+from cudal2.kernels.candidate import Candidate, Invalid
 from cudal2.config import load_settings
 from cudal2.errors import Cudal2Error
-from cudal2.llm import LLMProposer, LLMSettings, load_llm_settings
+from cudal2.search.llm import LLMProposer, LLMSettings, load_llm_settings
 from cudal2.problem import Problem
-from cudal2.render import load_templates, max_smem, template_candidate
+from cudal2.kernels.render import load_templates, max_smem, template_candidate
 
 from conftest import fenced
 
@@ -322,7 +322,7 @@ def test_a_reply_cut_off_at_the_token_limit_is_continued_not_lost(endpoint, tmp_
 
 
 def test_saved_replies_replay_a_run_without_an_endpoint(tmp_path):
-    from cudal2.llm import ReplayClient
+    from cudal2.search.llm import ReplayClient
 
     saved = tmp_path / "saved"
     saved.mkdir()

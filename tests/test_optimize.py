@@ -14,18 +14,18 @@ import pandas as pd
 import pytest
 from typer.testing import CliRunner
 
-from cudal2.baselines import cublas_location
+from cudal2.measure.baselines import cublas_location
 from cudal2.protocol import PROTOCOL
-from cudal2.candidate import Candidate, Invalid
+from cudal2.kernels.candidate import Candidate, Invalid
 from cudal2.cli import app
 from cudal2.errors import Cudal2Error
 from cudal2.config import Settings
-from cudal2.leaderboard import BASELINES, Leaderboard
-from cudal2.optimize import Budget, optimize
-from cudal2.pipeline import Context, measure_baselines
+from cudal2.results.leaderboard import BASELINES, Leaderboard
+from cudal2.tune.optimize import Budget, optimize
+from cudal2.tune.pipeline import Context, measure_baselines
 from cudal2.problem import Problem
-from cudal2.propose import HybridProposer, SearchProposer
-from cudal2.render import get_template, render, template_candidate
+from cudal2.search.propose import HybridProposer, SearchProposer
+from cudal2.kernels.render import get_template, render, template_candidate
 
 from conftest import cache_holding, gpu_count
 
@@ -116,7 +116,7 @@ def sm80_rankings() -> dict:
 def sm80_ranked_once(sm80_rankings, monkeypatch):
     """cost.rank_values of sm80_mma's space alone (what sm80_search ranks) computed once a
     module per problem: a second or two of one core each, and most tests here search it."""
-    import cudal2.propose as propose
+    import cudal2.search.propose as propose
 
     real = propose.rank_values
 
@@ -200,7 +200,7 @@ def paced_run(tmp_path, compiler, monkeypatch, worker: PacedWorker, budget_s: fl
     import time as real
     from types import SimpleNamespace
 
-    loop = sys.modules["cudal2.optimize"]  # (the package's `optimize` is the function)
+    loop = sys.modules["cudal2.tune.optimize"]
     monkeypatch.setattr(loop, "time", SimpleNamespace(monotonic=lambda: worker.clock[0], sleep=real.sleep))
     # Each batch is proposed when it is asked for (its builds are cached), so the run never
     # waits on this machine's real time against the stand-in's clock: on a loaded 2-core
@@ -298,7 +298,7 @@ def test_a_shapes_first_rung_is_screened_whole_where_its_time_budget_holds_it(tm
     opening times cuBLAS alone, calls of a millisecond or more get one round of graphs
     uploaded, not replayed first, and a pass's kernels share their checks' inputs (counted:
     3, 9 and 5 calls of a kernel fewer)."""
-    from cudal2.optimize import verification_s
+    from cudal2.tune.optimize import verification_s
 
     assert 0.02 <= verification_s(None) <= verification_s(5.0) < 0.04 < verification_s(5000.0) < 0.5
     assert 0.07 < verification_s(167.6, 16384 * 16384) < 0.14  # 16384x16384x128: measured 0.106 s
@@ -342,7 +342,7 @@ def test_a_first_rung_screens_what_the_baselines_left_of_the_budget_at_the_measu
     The rung screens five of its 16, the best is confirmed (0.4 s), and the shape ends within
     a screening session and a confirmation of its budget (reckoned once from the budget at the
     expected pace, 3 s / 0.09 s: all 16, in four sessions, 6.6 s)."""
-    monkeypatch.setattr(sys.modules["cudal2.optimize"], "session_size", lambda ctx: 4)
+    monkeypatch.setattr(sys.modules["cudal2.tune.optimize"], "session_size", lambda ctx: 4)
     worker = SlowSessionWorker([0.0], baselines_s=1.4, session_s=0.4, screen_s=0.2, call_us=5000.0)
     out = paced_run(tmp_path, compiler, monkeypatch, worker, 3.0, batch=4)
     assert worker.sessions == [4, 1, 1] and worker.screens == [True, True, False], worker.sessions
@@ -381,7 +381,7 @@ def test_a_screen_that_found_a_kernel_ahead_of_every_confirmed_one_confirms_it_p
 
 
 def test_a_batch_is_timed_in_one_session_and_a_time_budget_in_sessions_that_fit_it(tmp_path, compiler):
-    from cudal2.optimize import next_session
+    from cudal2.tune.optimize import next_session
 
     worker = StandInWorker()
     # (the batches of test_loop_measures_batches_records_rows_and_exports_the_best: built once a session)
@@ -396,7 +396,7 @@ def test_a_batch_is_timed_in_one_session_and_a_time_budget_in_sessions_that_fit_
 
 
 def test_a_session_holds_as_many_kernels_as_a_fifth_of_the_gpu_memory_allows(tmp_path, compiler):
-    from cudal2.pipeline import session_size
+    from cudal2.tune.pipeline import session_size
 
     worker = StandInWorker()
     worker.environment = {**H200, "memory_bytes": 150 << 30}
@@ -478,7 +478,7 @@ def test_search_moves_to_a_value_never_measured_before_the_model_favourites(monk
     # A model that wrongly expects split_k=1 to be 3x slower. Every value one step from the
     # best kernel has been measured somewhere (in slower kernels two steps away), except
     # split_k=1: that move comes first.
-    import cudal2.propose as propose
+    import cudal2.search.propose as propose
 
     monkeypatch.setattr(propose, "predict_us", lambda template, params, problem, device:
                         30.0 if params["split_k"] == 1 else 10.0)
@@ -500,7 +500,7 @@ def test_search_moves_to_a_value_never_measured_before_the_model_favourites(monk
 
 
 def test_correction_carries_what_one_value_measured_to_configurations_not_yet_measured():
-    from cudal2.propose import Correction
+    from cudal2.search.propose import Correction
 
     a = {"block_m": 64, "split_k": 1}
     b = {"block_m": 64, "split_k": 2}
@@ -586,7 +586,7 @@ def test_a_problem_measured_before_starts_from_its_own_winners():
 
 
 def test_search_stays_within_a_given_grid(tmp_path, compiler):
-    from cudal2.render import template_grid
+    from cudal2.kernels.render import template_grid
 
     # (configurations other tests of the session compile too)
     grid = template_grid("sm80_mma", {"stages": ["3", "4", "5"]}, 90)
@@ -602,7 +602,7 @@ def test_first_batch_spans_the_models_distinct_predictions_nearest_the_defaults(
     # option to it: a first batch tries distinct ones, each as its template's defaults would
     # have it where the model cannot tell (a 3072x768x3072 search once spent all 16 kernels on
     # one tile shape's stage counts).
-    from cudal2.cost import predict_us
+    from cudal2.search.cost import predict_us
 
     search, p = sm80_search(), Problem(512, 512, 512)
     template = get_template("sm80_mma")
@@ -625,7 +625,7 @@ def test_a_corrected_ranking_reads_in_the_order_sorting_all_of_it_gives():
     # ties in ranking order, whatever the correction does (here it lowers some entries 3x).
     import random
 
-    from cudal2.propose import Correction, Ranking
+    from cudal2.search.propose import Correction, Ranking
 
     template = get_template("sm80_mma")
     keys = tuple(template.space.params)
@@ -682,7 +682,7 @@ def hopper_ranking(rankings):
     """The search over every template at 4096^3 on an H200, as a fresh run proposes (12).
     For the test's length, search proposers of every template with the default seed share
     their rankings (what they rank does not depend on what is built)."""
-    from cudal2.render import load_templates
+    from cudal2.kernels.render import load_templates
 
     real = SearchProposer.ranking
 
@@ -783,9 +783,9 @@ def test_time_budget_waits_for_a_slow_compile_only_so_long_past_its_end(tmp_path
     import threading
     import time as clock
 
-    from cudal2.compile import Compiler
+    from cudal2.kernels.compile import Compiler
 
-    monkeypatch.setattr(sys.modules["cudal2.optimize"], "PROPOSAL_WAIT_S", 2.0)  # a minute in a run
+    monkeypatch.setattr(sys.modules["cudal2.tune.optimize"], "PROPOSAL_WAIT_S", 2.0)  # a minute in a run
     compiler = Compiler("sm_90a", tmp_path / "cache")  # empty: the CUTLASS kernel takes minutes
     before = set(threading.enumerate())
     began = clock.monotonic()
@@ -886,11 +886,11 @@ def test_a_screened_batch_confirms_its_best_and_screened_rows_are_never_ranked_e
     """Successive halving: four candidates screened (graph method alone), the best quarter
     confirmed by the full protocol. Only the confirmed row is ranked, exported, shown to a
     model or taken as a prior; the screened rows say what was screened, no speedup."""
-    from cudal2.leaderboard import priors
-    from cudal2.prebuilt import kernel_set
-    from cudal2.prompt import round_facts
-    from cudal2.optimize import problem_history
-    from cudal2.propose import nearest_winners, tried
+    from cudal2.results.leaderboard import priors
+    from cudal2.kernels.prebuilt import kernel_set
+    from cudal2.search.prompt import round_facts
+    from cudal2.tune.optimize import problem_history
+    from cudal2.search.propose import nearest_winners, tried
     from cudal2.protocol import SCREEN_PROTOCOL, SCREENED, best, best_row
 
     worker = StandInWorker(times=[70.0, 50.0, 90.0, 60.0, 52.0])  # screened in call order, then confirmed
@@ -898,7 +898,7 @@ def test_a_screened_batch_confirms_its_best_and_screened_rows_are_never_ranked_e
     # built before, and the batch waited for whole however slow this machine reads the cache
     # (else the first build is measured alone, ahead of its batch)
     compiler.compile_all([render(c, ctx.problem) for c in sm80_search().propose(ctx.problem, [], 4)])
-    monkeypatch.setattr(sys.modules["cudal2.optimize"], "EARLY_WAIT_S", 30.0)
+    monkeypatch.setattr(sys.modules["cudal2.tune.optimize"], "EARLY_WAIT_S", 30.0)
     out = optimize(ctx, sm80_search(), Budget(iterations=1, batch=1, screen=4, patience=None))
     assert worker.screens == [True, False] and worker.sessions == [4, 1]
     screened = [r for r in out.rows if r.get("protocol") == SCREEN_PROTOCOL]
@@ -993,7 +993,7 @@ def test_a_run_whose_budget_ends_before_any_build_still_measures_the_quickest(tm
     """From an empty cache, a budget spent at once: the quickest template's candidate is
     compiled first (behind the GPU), measured, and the run ends with a verified kernel; the
     CUTLASS compile (a minute) is stopped with the run and leaves nothing."""
-    from cudal2.compile import Compiler
+    from cudal2.kernels.compile import Compiler
 
     compiler = Compiler("sm_90a", tmp_path / "cache")
     problem = Problem(256, 256, 256)
@@ -1063,7 +1063,7 @@ def test_optimize_names_a_bad_shape_set_in_one_line(args, text, tmp_path):
 def test_llm_proposals_from_a_loopback_endpoint_run_through_the_loop(tmp_path, compiler, endpoint, monkeypatch):
     from conftest import fenced
 
-    from cudal2.llm import LLMProposer, LLMSettings
+    from cudal2.search.llm import LLMProposer, LLMSettings
 
     monkeypatch.setenv("OPENAI_API_KEY", "sk-test-not-written")
     example = (Path(__file__).parent.parent / "examples" / "simt_gemm_fp16_nn.cu").read_text()
@@ -1082,7 +1082,7 @@ def test_llm_proposals_from_a_loopback_endpoint_run_through_the_loop(tmp_path, c
 
 
 def test_best_is_judged_in_the_run_mode_and_ignores_missing_speedups():
-    from cudal2.optimize import best_row
+    from cudal2.tune.optimize import best_row
 
     rows = [{"kernel": "a", "status": "ok", "speedup_offline": 1.2, "speedup_server": float("nan")},
             {"kernel": "b", "status": "ok", "speedup_offline": 0.9, "speedup_server": 1.4},
@@ -1109,8 +1109,8 @@ class KilledWorker(StandInWorker):
 def shape_set_run(tmp_path, compiler, worker, problems):
     """The set tuned by a search of three sm80_mma configurations (two of them compiled by
     other tests of the session too), two a shape."""
-    from cudal2.optimize import optimize_shapes
-    from cudal2.render import template_grid
+    from cudal2.tune.optimize import optimize_shapes
+    from cudal2.kernels.render import template_grid
 
     def make(problem, slot):
         return context(tmp_path, compiler, worker, problem)
@@ -1142,7 +1142,7 @@ def test_a_shape_set_is_tuned_in_one_run_and_a_killed_run_resumes(tmp_path, comp
 def test_a_round_replayed_from_saved_replies_runs_through_the_loop(tmp_path, compiler):
     from conftest import fenced
 
-    from cudal2.llm import LLMProposer, LLMSettings, ReplayClient
+    from cudal2.search.llm import LLMProposer, LLMSettings, ReplayClient
 
     saved = tmp_path / "saved"
     saved.mkdir()
@@ -1169,7 +1169,7 @@ def test_a_template_kernels_declared_resources_reach_its_row_and_the_next_prompt
     source's record is its author's word and is not kept ("-")."""
     from conftest import fenced
 
-    from cudal2.llm import LLMProposer, LLMSettings, ReplayClient
+    from cudal2.search.llm import LLMProposer, LLMSettings, ReplayClient
 
     saved = tmp_path / "saved"
     saved.mkdir()
@@ -1231,8 +1231,8 @@ def test_a_run_reads_the_prebuilt_set_from_its_start_on_a_thread_of_its_own_and_
     import threading
     import time
 
-    from cudal2 import tuner as wiring
-    from cudal2.llm import LLMSettings
+    from cudal2.tune import tuner as wiring
+    from cudal2.search.llm import LLMSettings
 
     reads = []
     real = wiring.prebuilt.available
@@ -1264,7 +1264,7 @@ def test_a_time_budget_bounds_the_batches_unless_iterations_are_given():
 
 def test_screening_is_on_under_a_budget_for_the_search_off_otherwise_and_screen_says_so_anywhere():
     from cudal2.api import screen_eta
-    from cudal2.optimize import SCREEN
+    from cudal2.tune.optimize import SCREEN
 
     assert screen_eta(None, 5.0, "search") == SCREEN and screen_eta(None, None, "search") == 1
     assert screen_eta(None, 5.0, "llm") == 1 and screen_eta(None, 5.0, "hybrid") == 1

@@ -8,13 +8,13 @@ import pandas as pd
 import pytest
 from typer.testing import CliRunner
 
-from cudal2 import prebuilt
+from cudal2.kernels import prebuilt
 from cudal2.cli import app
-from cudal2.compile import Compiler
-from cudal2.cost import predict_us, rank, recorded_device
-from cudal2.leaderboard import priors, shipped
+from cudal2.kernels.compile import Compiler
+from cudal2.search.cost import predict_us, rank, recorded_device
+from cudal2.results.leaderboard import priors, shipped
 from cudal2.problem import Problem
-from cudal2.render import get_template, load_templates, render, template_candidate
+from cudal2.kernels.render import get_template, load_templates, render, template_candidate
 
 from conftest import ROOT
 

@@ -13,7 +13,7 @@ from rich.console import Console
 from rich.text import Text
 from typer.testing import CliRunner
 
-from cudal2.baselines import cublas_location
+from cudal2.measure.baselines import cublas_location
 from cudal2.cli import app, progress
 from cudal2.problem import Problem
 

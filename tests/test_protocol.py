@@ -81,7 +81,7 @@ def test_the_shipped_measurements_give_their_best_kernels():
     """The shipped file (no sources) read whole: every problem's best is its fastest
     configuration by its latest measurement; the geomean is that of the best rows (0.93),
     not of each problem's latest row (0.63)."""
-    from cudal2.leaderboard import shipped
+    from cudal2.results.leaderboard import shipped
 
     rows = shipped()
     winners = best(rows)

@@ -110,7 +110,7 @@ def test_every_launch_probe_kernel_runs():
     """Each synthetic contestant launches and completes on this GPU (its TMA load included)."""
     import cupy
 
-    from cudal2.environment import default_arch
+    from cudal2.measure.environment import default_arch
 
     props = cupy.cuda.runtime.getDeviceProperties(0)
     if props["major"] * 10 + props["minor"] != 90:

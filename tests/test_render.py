@@ -2,10 +2,10 @@ import re
 
 import pytest
 
-from cudal2.candidate import Candidate
+from cudal2.kernels.candidate import Candidate
 from cudal2.errors import Cudal2Error
 from cudal2.problem import Problem
-from cudal2.render import get_template, load_templates, render, template_candidate, template_grid
+from cudal2.kernels.render import get_template, load_templates, render, template_candidate, template_grid
 
 
 def test_every_template_renders_its_default_for_every_dtype_and_layout():
@@ -212,7 +212,7 @@ def test_device_code_two_templates_share_is_rendered_into_each_source_whole():
     """templates/include/ holds device code more than one template renders (the 16-byte store
     of GMMA accumulators): it is no template itself, and each source that includes it carries
     it whole, so that a source still compiles alone and its hash covers all of it."""
-    from cudal2.render import INCLUDE, load_templates
+    from cudal2.kernels.render import INCLUDE, load_templates
 
     assert INCLUDE not in load_templates()
     overlap = render(template_candidate("sm90_cutlass", {"epilogue_schedule": "overlap"}, 90), Problem(1, 1, 1, "fp16", "nn"))
@@ -269,7 +269,7 @@ def test_clusters_of_four_and_eight_are_the_non_persistent_kernels_only():
 def test_binding_constraints_are_those_some_parameter_set_breaks_on_the_target(tmp_path):
     """A constraint reads parameters, derived values and the target; one that every value of
     the parameters it reads meets on a target cannot reject anything there."""
-    from cudal2.render import Space
+    from cudal2.kernels.render import Space
 
     path = tmp_path / "space.toml"
     path.write_text("""
@@ -296,7 +296,7 @@ default = 1
 def test_a_launch_table_maps_caps_to_what_the_problem_runs_and_names_parameters_only(tmp_path):
     """[launch] gives, per parameter, the value that runs the same work on a problem (a cap
     above the problem's need); a key that is no parameter is a mistake in the file."""
-    from cudal2.render import Space
+    from cudal2.kernels.render import Space
 
     path = tmp_path / "space.toml"
     text = """

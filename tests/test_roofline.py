@@ -3,7 +3,7 @@
 import pytest
 
 from cudal2.problem import Problem
-from cudal2.roofline import MEASURED, floor_us, regime, roof
+from cudal2.results.roofline import MEASURED, floor_us, regime, roof
 
 H200 = {"gpu": "NVIDIA H200", "cc": 90, "sm_count": 132, "max_sm_clock_mhz": 1980,
         "memory_clock_khz": 3201000, "memory_bus_bits": 6016}
@@ -50,7 +50,7 @@ def test_regimes(shape, expected):
 
 
 def test_a_measured_row_carries_its_floor_and_the_fraction_it_reaches():
-    from cudal2.pipeline import timing_columns
+    from cudal2.tune.pipeline import timing_columns
 
     timing = {"median_us": 10.0, "p20_us": 9.9, "p80_us": 10.1, "samples": 30}
     library = {**timing, "median_us": 12.0}
@@ -62,7 +62,7 @@ def test_a_measured_row_carries_its_floor_and_the_fraction_it_reaches():
 
 def test_a_library_call_within_the_tie_band_of_the_floor_leaves_no_win():
     from cudal2.protocol import TIE
-    from cudal2.roofline import at_floor
+    from cudal2.results.roofline import at_floor
 
     assert at_floor(10.0, 10.0) and at_floor(10.0 * (1 + TIE), 10.0)
     assert not at_floor(10.0 * (1 + TIE) + 0.01, 10.0)

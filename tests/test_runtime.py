@@ -57,7 +57,7 @@ def test_export_writes_the_best_kernels_and_a_table_that_loads(tmp_path, cache_d
     from typer.testing import CliRunner
 
     from cudal2.cli import app
-    from cudal2.leaderboard import Leaderboard
+    from cudal2.results.leaderboard import Leaderboard
 
     board = Leaderboard(tmp_path / "results")
     source = (ROOT / "examples" / "simt_gemm_fp16_nn.cu").read_text()

@@ -59,7 +59,7 @@ def kernels_run(fn) -> set[str]:
 
 def test_the_op_runs_the_exported_kernel_and_the_library_call_elsewhere(library):
     import cudal2.torch as ops
-    from cudal2.verify import UNIT_ROUNDOFF
+    from cudal2.measure.verify import UNIT_ROUNDOFF
 
     m, n, k = SHAPE
     assert ops.served(m, n, k, "bf16", "nt").parent == library / "kernels"

@@ -11,16 +11,17 @@ from typing import Annotated, Optional
 
 import typer
 
-from .. import api, prebuilt
-from .. import render as render_stage
-from ..candidate import Candidate
-from ..compile import Compiler, find_nvcc, first_error_line
+from .. import api
 from ..config import load_settings
-from ..environment import default_arch, listed_cc
 from ..errors import Cudal2Error
-from ..leaderboard import Leaderboard, with_shipped
+from ..kernels import prebuilt
+from ..kernels import render as render_stage
+from ..kernels.candidate import Candidate
+from ..kernels.compile import Compiler, find_nvcc, first_error_line
+from ..measure.environment import default_arch, listed_cc
 from ..problem import Problem
-from ..tables import err_console, fmt, show_table, width_limit
+from ..results.leaderboard import Leaderboard, with_shipped
+from ..results.tables import err_console, fmt, show_table, width_limit
 from .options import (Arch, Dtype, Json, Kernels, Layout, Params, Results, TemplateOpt, app, cli_errors, parse_params,
                read_kernel_file)
 

@@ -21,11 +21,11 @@ except ImportError:
 NO_ARGS = getattr(click_errors, "NoArgsIsHelpError", ())  # click >= 8.2: a command given nothing
 
 from .. import __version__
-from ..candidate import Candidate
-from ..environment import listed_cc
 from ..errors import Cudal2Error
+from ..kernels.candidate import Candidate
+from ..kernels.render import arch_cc, newest_cc, template_grid
+from ..measure.environment import listed_cc
 from ..problem import DTYPES, Problem
-from ..render import arch_cc, newest_cc, template_grid
 from ..shapes import MODELS, shape_set
 
 app = typer.Typer(add_completion=False, no_args_is_help=True,

@@ -1,4 +1,4 @@
-"""What `cudal2 optimize` shows while it runs, from the loop's events (cudal2/optimize.py:
+"""What `cudal2 optimize` shows while it runs, from the loop's events (cudal2/tune/optimize.py:
 "shape", "baseline", "batch", "measured", "failed"). On a terminal: a bar over the shape set
 and a live line per shape being tuned (its best so far, the candidates measured, what is
 on the GPU and what is compiling), left as one summary line when the shape ends. Piped or
@@ -17,9 +17,9 @@ from rich.console import Console, Group
 from rich.live import Live
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-from ..optimize import Event
 from ..protocol import SCREEN_PROTOCOL, SCREENED
-from ..tables import console, fmt
+from ..results.tables import console, fmt
+from ..tune.optimize import Event
 
 
 @dataclass

@@ -12,12 +12,12 @@ import typer
 from .. import api
 from ..config import load_settings
 from ..errors import Cudal2Error
-from ..leaderboard import SHIPPED, STATUSES, Leaderboard, best, contributions, select, shown
 from ..problem import DTYPES, LAYOUTS, Problem
 from ..protocol import EARLIER_PROTOCOLS, PROTOCOL, PROTOCOLS
+from ..results.leaderboard import SHIPPED, STATUSES, Leaderboard, best, contributions, select, shown
+from ..results.tables import SHAPE_COLUMNS, emit_frame, fmt, jsonable, report_shapes, show_table
 from ..runtime import MIN_SPEEDUP, DispatchTable, export_best
 from ..shapes import shape_set
-from ..tables import SHAPE_COLUMNS, emit_frame, fmt, jsonable, report_shapes, show_table
 from .options import Json, ModelOpt, Results, TokensOpt, app, cli_errors
 
 Shipped = Annotated[bool, typer.Option(

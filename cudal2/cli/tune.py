@@ -9,15 +9,15 @@ from typing import Annotated, Any, Optional
 import typer
 
 from .. import api
-from ..cluster import optimize_on_cluster
 from ..config import load_settings
-from ..environment import device_error
 from ..errors import Cudal2Error
-from ..llm import load_llm_settings
+from ..measure.environment import device_error
 from ..problem import DTYPES, Problem
 from ..protocol import PROTOCOL, best_row
-from ..tables import (console, err_console, fmt, jsonable, optimize_summary, print_bench_table, print_optimize_summary,
+from ..results.tables import (console, err_console, fmt, jsonable, optimize_summary, print_bench_table, print_optimize_summary,
                       set_summary, verdict_line)
+from ..search.llm import load_llm_settings
+from ..tune.cluster import optimize_on_cluster
 from .options import (Arch, Dtype, Json, K, Kernels, Layout, M, ModelOpt, N, Params, Results, ShapesOpt, TemplateOpt,
                TokensOpt, app, check_grid, cli_errors, parse_params, problems_of, read_kernel_file)
 from .progress import progress_display

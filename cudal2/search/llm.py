@@ -1,6 +1,6 @@
 """The `llm` proposer: asks an OpenAI-compatible endpoint for candidates, as CUDA-L1 does.
 
-Each round renders a contrastive prompt (cudal2/prompt.py, prompts/*.md.j2). The reply's
+Each round renders a contrastive prompt (cudal2/search/prompt.py, prompts/*.md.j2). The reply's
 fenced blocks become candidates (template parameter sets or free-form sources) or `Invalid`
 proposals, whose reasons the next round shows.
 """
@@ -17,12 +17,12 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 from urllib.parse import urlparse
 
-from .candidate import Candidate, Invalid
-from .config import _coerce, config_table
-from .errors import Cudal2Error
-from .problem import Problem
+from ..config import _coerce, config_table
+from ..errors import Cudal2Error
+from ..kernels.candidate import Candidate, Invalid
+from ..kernels.render import get_template, template_candidate
+from ..problem import Problem
 from .prompt import round_prompt
-from .render import get_template, template_candidate
 
 if TYPE_CHECKING:
     import openai

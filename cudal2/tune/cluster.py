@@ -26,12 +26,12 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from . import api
-from .config import Settings
-from .environment import describe_device
-from .errors import Cudal2Error
-from .leaderboard import COLUMNS, Leaderboard, compact
-from .problem import Problem
+from .. import api
+from ..config import Settings
+from ..errors import Cudal2Error
+from ..measure.environment import describe_device
+from ..problem import Problem
+from ..results.leaderboard import COLUMNS, Leaderboard, compact
 
 UNIFORM_KEYS = ("gpu", "driver", "max_sm_clock_mhz")  # must be the same on every worker
 

@@ -1,4 +1,4 @@
-"""Jobs: what a GPU worker process does with each request of its parent (cudal2/worker.py).
+"""Jobs: what a GPU worker process does with each request of its parent (cudal2/measure/worker.py).
 
 It owns the GPU through CuPy, verifies kernels, opens a timing session (measure.Session)
 and times its rounds. Anything that fails after untrusted code ran is that code's crash:
@@ -13,16 +13,16 @@ import traceback
 from multiprocessing.connection import Connection
 from typing import Any
 
+from ..problem import Problem
 from .baselines import FINALIST, abi_call, cublas_gemm, library_calls
 from .environment import describe_device, device_error
 from .measure import CuptiTimer, Session
-from .problem import Problem
 from .verify import (UNIT_ROUNDOFF, Kernel, Numerics, Operands, Rejected, ScreenInputs, compare, physical_floor_us,
                      poison_output, seed_from_os, verify)
 
 
 def main(fd: str, device: str, cupti: str) -> None:
-    """The worker process's entry (cudal2/worker.py starts it): serves the parent's requests
+    """The worker process's entry (cudal2/measure/worker.py starts it): serves the parent's requests
     on the connection `fd` for the GPU `device`, with CUPTI loaded if `cupti` is "1"."""
     serve(Connection(int(fd)), int(device), cupti == "1")
 

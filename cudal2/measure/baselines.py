@@ -29,11 +29,11 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
-from .compile import Compiler, find_nvcc
-from .errors import Cudal2Error
+from ..errors import Cudal2Error
+from ..kernels.compile import Compiler, find_nvcc
+from ..problem import Problem
+from ..protocol import BASELINES as NAMES, OFFLINE_METHODS
 from .measure import graph_medians
-from .problem import Problem
-from .protocol import BASELINES as NAMES, OFFLINE_METHODS
 from .verify import Kernel, Rejected, cublas_product
 
 LT_ALGOS = 32  # heuristic results timed by the autotuning

@@ -36,11 +36,11 @@ from pathlib import Path
 
 import pandas as pd
 
+from ..errors import Cudal2Error
+from ..problem import Problem
+from ..search.cost import RECORDED_MEMORY, rank, recorded_device
 from .candidate import Candidate
 from .compile import Build, Compiler
-from .cost import RECORDED_MEMORY, rank, recorded_device
-from .errors import Cudal2Error
-from .problem import Problem
 from .render import arch_cc, load_templates, recorded_params, render
 
 NEAR_BEST = 0.98  # a configuration within 2% of a problem's best measured is in the set

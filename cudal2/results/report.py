@@ -15,10 +15,10 @@ from pathlib import Path
 
 import pandas as pd
 
-from .environment import tensor_peak
-from .errors import Cudal2Error
-from .protocol import BASELINES, TIE, best
-from .problem import Problem
+from ..errors import Cudal2Error
+from ..measure.environment import tensor_peak
+from ..problem import Problem
+from ..protocol import BASELINES, TIE, best
 from .roofline import REGIMES, regime
 from .tables import speedup_summary, verdict_line
 
@@ -260,7 +260,7 @@ the lower of the CUPTI and in-graph ratios, bench protocol <code>{html.escape(pr
 <table><tr><th>regime</th><th>shapes</th><th>geomean</th><th>min</th><th>wins</th><th>ties</th><th>losses</th></tr>
 {regime_rows}
 </table>
-<p class=note>Regimes (cudal2/roofline.py): {html.escape(REGIME_HELP)}</p>
+<p class=note>Regimes (cudal2/results/roofline.py): {html.escape(REGIME_HELP)}</p>
 <h2>Plots</h2>
 <div class=plots>
 {images}

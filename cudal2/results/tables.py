@@ -14,9 +14,9 @@ import pandas as pd
 from rich.console import Console
 from rich.table import Table
 
+from ..problem import Problem
+from ..protocol import TIE, best
 from .leaderboard import select
-from .problem import Problem
-from .protocol import TIE, best
 
 console = Console(highlight=False)
 err_console = Console(stderr=True, highlight=False)

@@ -23,7 +23,7 @@ from concurrent.futures import ThreadPoolExecutor, as_completed
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from .errors import Cudal2Error
+from ..errors import Cudal2Error
 
 # Many kernel libraries share one worker process. -fno-gnu-unique and -Bsymbolic keep each
 # library's inline/template statics its own: by default the dynamic linker merges such

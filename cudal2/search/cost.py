@@ -15,10 +15,10 @@ from typing import Any
 
 import pandas as pd
 
-from .environment import dram_bandwidth, tensor_peak
-from .problem import Problem
-from .protocol import PROTOCOL, SCREENED
-from .render import Template, load_templates, recorded_params
+from ..kernels.render import Template, load_templates, recorded_params
+from ..measure.environment import dram_bandwidth, tensor_peak
+from ..problem import Problem
+from ..protocol import PROTOCOL, SCREENED
 
 LAUNCH_US = 2.0  # a launch and its tail, measured: cuBLAS 64^3 takes ~2-3 us back to back
 OVERLAP_LOSS = 0.25  # share of the shorter of compute and memory time not hidden behind the other

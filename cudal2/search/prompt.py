@@ -17,12 +17,12 @@ from typing import Any
 
 import jinja2
 
-from .environment import dram_bandwidth, tensor_peak
-from .protocol import BASELINES, SCREENED
-from .problem import LAYOUT_HELP, Problem
+from ..kernels.render import Template, bundled_dir, load_templates, max_smem, recorded_params
+from ..measure.environment import dram_bandwidth, tensor_peak
+from ..measure.verify import physical_floor_us
+from ..problem import LAYOUT_HELP, Problem
+from ..protocol import BASELINES, SCREENED
 from .propose import nearest_winners
-from .render import Template, bundled_dir, load_templates, max_smem, recorded_params
-from .verify import physical_floor_us
 
 WARM_START = 8  # below this many measured candidates of its own, a problem is shown its nearest ones
 

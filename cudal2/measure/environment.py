@@ -7,7 +7,7 @@ import shutil
 import subprocess
 from typing import Any
 
-from . import compile as compile_stage
+from ..kernels import compile as compile_stage
 
 
 def tensor_peak(device: dict[str, Any]) -> float:

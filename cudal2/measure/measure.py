@@ -1,12 +1,12 @@
 """Measure, in the GPU worker: a candidate and the baselines timed alike, by the protocol's
-two methods (cudal2/bench.py), on rotating input sets whose every output is checked.
+two methods (cudal2/measure/bench.py), on rotating input sets whose every output is checked.
 
 The kernel method reads CUPTI activity records through cupti-python: it needs no torch
 (CuPy owns the GPU here, torch is only one of the baselines) and sees every kernel, memset
 and copy on any stream, so a call's work on a stream of its own is counted, not hidden.
 The graph method must not run where CUPTI is loaded: with CUPTI attached, each kernel
 replayed from a graph costs 0.4-0.9 us more with every activity kind disabled, 0.15-0.35 us
-after cuptiFinalize (measured on an H200), so cudal2/worker.py times it in a process of its own.
+after cuptiFinalize (measured on an H200), so cudal2/measure/worker.py times it in a process of its own.
 """
 
 from __future__ import annotations
@@ -18,9 +18,9 @@ from collections.abc import Callable
 from dataclasses import asdict
 from typing import Any
 
+from ..problem import Problem
+from ..protocol import OFFLINE_METHODS
 from .bench import INPUT_SETS, graph_rounds, kernel_rounds, summarize
-from .problem import Problem
-from .protocol import OFFLINE_METHODS
 from .verify import UNIT_ROUNDOFF, Numerics, Rejected, compare, poison_output
 from .worker import LONG_SCREEN_US, SOAK_US
 

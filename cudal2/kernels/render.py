@@ -14,9 +14,9 @@ from typing import Any
 
 import jinja2
 
+from ..errors import Cudal2Error
+from ..problem import Problem
 from .candidate import Candidate
-from .errors import Cudal2Error
-from .problem import Problem
 
 # Opt-in shared memory per block by compute capability (CUDA programming guide, table of
 # technical specifications); a template's `max_smem` constraint is checked against it.
@@ -35,11 +35,11 @@ def target_facts(cc: int) -> dict[str, int]:
 
 def bundled_dir(name: str) -> Path:
     """A data folder shipped with the package (wheel) or beside it (source checkout)."""
-    here = Path(__file__).resolve().parent
-    for candidate in (here / name, here.parent / name):
+    package = Path(__file__).resolve().parent.parent
+    for candidate in (package / name, package.parent / name):
         if candidate.is_dir():
             return candidate
-    raise Cudal2Error(f"cannot find the {name}/ folder next to {here}")
+    raise Cudal2Error(f"cannot find the {name}/ folder next to {package}")
 
 
 def arch_cc(arch: str) -> int:

@@ -13,8 +13,8 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
+from ..problem import Problem
 from .environment import dram_bandwidth, tensor_peak
-from .problem import Problem
 
 # What a kernel library may import: kernel registration and launch, attributes and
 # error queries of the CUDA runtime, an asynchronous memset (workspace set-up), the TMA

@@ -1,6 +1,6 @@
 """A tuning run's wiring: the GPU workers (one per device), a compiler for each sharing the
 machine's cores, the proposers (search, LLM, or both) and the budget. `Tuner.run` tunes a
-list of problems through optimize_shapes, one ShapeRun (cudal2/optimize.py) per problem."""
+list of problems through optimize_shapes, one ShapeRun (cudal2/tune/optimize.py) per problem."""
 
 from __future__ import annotations
 
@@ -9,19 +9,19 @@ import threading
 from dataclasses import dataclass
 from typing import Any
 
-from . import prebuilt
-from . import render as render_stage
-from .candidate import Candidate
-from .compile import Compiler
-from .config import Settings
-from .environment import default_arch
-from .errors import Cudal2Error
-from .leaderboard import Leaderboard, priors, with_shipped
-from .llm import LLMProposer, LLMSettings
+from ..config import Settings
+from ..errors import Cudal2Error
+from ..kernels import prebuilt
+from ..kernels import render as render_stage
+from ..kernels.candidate import Candidate
+from ..kernels.compile import Compiler
+from ..measure.environment import default_arch
+from ..problem import Problem
+from ..results.leaderboard import Leaderboard, priors, with_shipped
+from ..search.llm import LLMProposer, LLMSettings
+from ..search.propose import HybridProposer, Proposer, SearchProposer
 from .optimize import Budget, Event, Outcome, optimize_shapes
 from .pipeline import Context, new_run_id
-from .problem import Problem
-from .propose import HybridProposer, Proposer, SearchProposer
 
 
 @dataclass(frozen=True)

@@ -11,9 +11,9 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from .environment import dram_bandwidth, tensor_peak
-from .problem import Problem
-from .protocol import TIE
+from ..measure.environment import dram_bandwidth, tensor_peak
+from ..problem import Problem
+from ..protocol import TIE
 
 REGIMES = ("unaligned", "decode", "few-tile long-K", "short-K", "large", "other")
 

@@ -18,18 +18,18 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from .candidate import Candidate
-from .errors import Cudal2Error
-from .leaderboard import select, source_hash
-from .measure import calls_per_graph
-from .compile import Build, Compiler
+from ..errors import Cudal2Error
+from ..kernels.candidate import Candidate
+from ..kernels.compile import Build, Compiler
+from ..kernels.render import get_template, render
+from ..measure.measure import calls_per_graph
+from ..measure.worker import LONG_SCREEN_US, SCREEN_REST, SCREEN_ROUNDS, SOAK_S, SOAK_US
+from ..problem import Problem
+from ..protocol import BASELINES, PROTOCOL, SCREEN_PROTOCOL, SCREENED, best_row
+from ..results.leaderboard import select, source_hash
+from ..runtime import export_best
+from ..search.propose import Proposer, from_proposer
 from .pipeline import Built, Context, build_all, invalid_row, measure_baselines, measure_rows, session_size
-from .problem import Problem
-from .propose import Proposer, from_proposer
-from .protocol import BASELINES, PROTOCOL, SCREEN_PROTOCOL, SCREENED, best_row
-from .render import get_template, render
-from .runtime import export_best
-from .worker import LONG_SCREEN_US, SCREEN_REST, SCREEN_ROUNDS, SOAK_S, SOAK_US
 
 
 # When the time budget ends before any kernel is verified (the baselines' session alone can

@@ -14,13 +14,13 @@ contestant, candidate and baselines alike, in one process by two independent met
   over activations, as between two GEMMs of a model), less the graph of the neighbours
   alone, per call (`graph_rounds`). A kernel launched with programmatic dependent launch
   (PDL) gets what PDL gives behind a real kernel, no more. The graph method runs in a
-  process that never loads CUPTI (cudal2/worker.py).
+  process that never loads CUPTI (cudal2/measure/worker.py).
 
 Long calls are timed on a GPU at its steady state: large GEMMs run an H200 at its power
 cap, where the clock falls from 1.98 to about 1.4 GHz within a second or two of sustained
 load, and kernels that spend more energy per FLOP fall further. A job's first rounds would
 otherwise run at the boost clock of an idle GPU, which no model running such GEMMs back to
-back sees (cudal2/worker.py: SOAK_US, SOAK_S).
+back sees (cudal2/measure/worker.py: SOAK_US, SOAK_S).
 
 The claimed speedup is the lower of the two ratios against the fastest baseline
 (`claimed`). Inputs rotate: every `kernel` round gives one of at least three input sets
@@ -44,7 +44,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from .protocol import OFFLINE_METHODS
+from ..protocol import OFFLINE_METHODS
 
 INPUT_SETS = 3  # input sets a timed loop rotates through (each its own addresses)
 

@@ -17,8 +17,8 @@ import pandas as pd
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from .errors import Cudal2Error
-from .protocol import BASELINES, COLUMNS, PROTOCOL, SCHEMA, STATUSES, best, row_record
+from ..errors import Cudal2Error
+from ..protocol import BASELINES, COLUMNS, PROTOCOL, SCHEMA, STATUSES, best, row_record
 
 __all__ = ["BASELINES", "COLUMNS", "PROTOCOL", "SCHEMA", "STATUSES", "Leaderboard", "best", "select"]
 
@@ -35,7 +35,7 @@ CORE_COLUMNS = ("run_id", "time", "gpu", "m", "n", "k", "dtype", "layout", "kern
 # search's priors on a GPU measured before, the cost model's checks), without logs, sources
 # or per-baseline columns, as one part file shipped in the package. Written from a results
 # directory by scripts/ship_measurements.py; read by shipped().
-SHIPPED = Path(__file__).resolve().parent / "data" / "measurements.parquet"
+SHIPPED = Path(__file__).resolve().parent.parent / "data" / "measurements.parquet"
 SHIPPED_COLUMNS = (
     "run_id", "time", "gpu", "cc", "sm_count", "sm_clock_mhz", "max_sm_clock_mhz", "driver", "cuda", "nvcc",
     "cutlass", "arch", "m", "n", "k", "dtype", "layout", "kernel", "template", "params", "status", "registers",

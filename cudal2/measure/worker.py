@@ -1,4 +1,4 @@
-"""Worker: the parent's side of the GPU worker processes (their side: cudal2/jobs.py), and
+"""Worker: the parent's side of the GPU worker processes (their side: cudal2/measure/jobs.py), and
 how a session of the protocol is run across the two.
 
 Candidate kernels are untrusted code. A kernel that crashes, corrupts the CUDA context or
@@ -18,9 +18,9 @@ from concurrent.futures import ThreadPoolExecutor
 from multiprocessing.connection import Connection
 from typing import Any
 
-from .protocol import BASELINES
+from ..errors import Cudal2Error
+from ..protocol import BASELINES
 from .environment import gpu_temperature
-from .errors import Cudal2Error
 
 
 MIN_ROUNDS = 5  # rounds of each process's methods in a job, at least
@@ -33,7 +33,7 @@ MIN_ROUNDS = 5  # rounds of each process's methods in a job, at least
 # read 0.1-0.35 us more in the graph than in one block (and than the independent check,
 # scripts/remeasure.py).
 INTERLEAVE_US = 20.0
-# Calls this long are timed after SOAK_S of untimed replays (cudal2/bench.py: the steady state).
+# Calls this long are timed after SOAK_S of untimed replays (cudal2/measure/bench.py: the steady state).
 SOAK_US, SOAK_S = 100.0, 1.5
 # Rounds of a screening session (job settings' `screen`): the graph method alone, in the
 # graph process, each round one replay of every contestant's graph (its calls rotating
@@ -237,10 +237,10 @@ def _own_timings(timings: dict[str, dict[str, dict]], name: str) -> dict[str, di
             for method, entries in timings.items()}
 
 
-# The worker process's start: the parent's import path, then cudal2.jobs.main. A fresh
+# The worker process's start: the parent's import path, then cudal2.measure.jobs.main. A fresh
 # interpreter, not multiprocessing's spawn, which re-runs the caller's main module in the
 # child (a script calling cudal2.bench() at its top level then runs it again, and dies).
-_START = "import json, sys; sys.path[:] = json.loads(sys.argv[1]); from cudal2.jobs import main; main(*sys.argv[2:])"
+_START = "import json, sys; sys.path[:] = json.loads(sys.argv[1]); from cudal2.measure.jobs import main; main(*sys.argv[2:])"
 _LIVE: set[subprocess.Popen] = set()  # killed at exit, so that no worker outlives its parent
 
 

@@ -21,10 +21,10 @@ from collections import OrderedDict
 from collections.abc import Callable, Iterator
 from typing import Any, Protocol
 
-from .candidate import Candidate
+from ..kernels.candidate import Candidate
+from ..kernels.render import Template, load_templates, recorded_params
+from ..problem import Problem
 from .cost import predict_us, rank_values
-from .problem import Problem
-from .render import Template, load_templates, recorded_params
 
 
 class Proposer(Protocol):

@@ -11,21 +11,21 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
-from .baselines import (PICKS, RETIMED, SESSION_BUDGET_S, SESSION_MIN_ROUNDS, SESSION_SOAK_S, algo_json,
+from ..config import Settings
+from ..errors import Cudal2Error
+from ..kernels.candidate import Candidate
+from ..kernels.compile import Build, Compiler
+from ..kernels.render import render
+from ..measure.baselines import (PICKS, RETIMED, SESSION_BUDGET_S, SESSION_MIN_ROUNDS, SESSION_SOAK_S, algo_json,
                         build_baselines, choose_finalist, cublaslt_version, pick_key, read_pick, write_pick)
-from .bench import INPUT_SETS, claimed
-from .candidate import Candidate
-from .compile import Build, Compiler
-from .config import Settings
-from .environment import toolchain
-from .errors import Cudal2Error
-from .leaderboard import Leaderboard
-from .problem import Problem
-from .protocol import BASELINE_COLUMN as COLUMN, BASELINES, OFFLINE_METHODS, PROTOCOL, SCREEN_PROTOCOL, SCREENED
-from .render import render
-from .roofline import floor_us, roof
-from .verify import forbidden_imports
-from .worker import Worker
+from ..measure.bench import INPUT_SETS, claimed
+from ..measure.environment import toolchain
+from ..measure.verify import forbidden_imports
+from ..measure.worker import Worker
+from ..problem import Problem
+from ..protocol import BASELINE_COLUMN as COLUMN, BASELINES, OFFLINE_METHODS, PROTOCOL, SCREEN_PROTOCOL, SCREENED
+from ..results.leaderboard import Leaderboard
+from ..results.roofline import floor_us, roof
 
 ENV_COLUMNS = ("gpu", "cc", "sm_count", "sm_clock_mhz", "max_sm_clock_mhz", "driver", "cuda", "cupy")
 LOG_LIMIT = 4000
@@ -63,7 +63,7 @@ class Context:
         }
 
     def floor(self) -> float | None:
-        """The problem's hardware floor in us on the worker's GPU (cudal2/roofline.py); None
+        """The problem's hardware floor in us on the worker's GPU (cudal2/results/roofline.py); None
         where the GPU's rates are unknown."""
         at = roof(self.worker.environment or {})
         return None if at is None else floor_us(self.problem, at)

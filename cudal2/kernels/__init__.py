@@ -1,0 +1,1 @@
+"""Kernels: a candidate, its rendering from a template, its compile, and the prebuilt set."""
