@@ -96,13 +96,13 @@ def profile_cublaslt(m: int, n: int, k: int, dtype: str = "fp16", layout: str = 
     import torch
     from torch.profiler import ProfilerActivity, profile
 
-    from cudal2.measure.baselines import CublasLt, abi_call, build_baselines
-    from cudal2.kernels.compile import Compiler
     from cudal2.config import load_settings
+    from cudal2.kernels.compile import Compiler
+    from cudal2.measure.baselines import CublasLt, abi_call, build_baselines
     from cudal2.measure.environment import default_arch
     from cudal2.measure.measure import InputSets
-    from cudal2.problem import Problem
     from cudal2.measure.verify import Numerics
+    from cudal2.problem import Problem
 
     problem = Problem(m, n, k, dtype, layout)
     major, minor = torch.cuda.get_device_capability()

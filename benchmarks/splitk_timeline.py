@@ -115,8 +115,8 @@ def probed_source(problem, params: dict) -> str:
 def build(problem, params: dict | None, cache_dir=None, source: str | None = None):
     """The probed library of `params` for `problem`, or of a rendered `source` given whole
     (cudal2's compiler and cache)."""
-    from cudal2.kernels.compile import Compiler
     from cudal2.config import load_settings
+    from cudal2.kernels.compile import Compiler
 
     probed = with_probes(source) if source is not None else probed_source(problem, params)
     built = Compiler("sm_90a", cache_dir=cache_dir or load_settings().cache_dir).compile(probed)

@@ -15,9 +15,9 @@ import statistics
 import sys
 from pathlib import Path
 
-from cudal2.search.cost import measured_configurations, predict_us, recorded_device
-from cudal2.results.leaderboard import Leaderboard, shipped
 from cudal2.kernels.render import get_template
+from cudal2.results.leaderboard import Leaderboard, shipped
+from cudal2.search.cost import measured_configurations, predict_us, recorded_device
 
 screened = "--screened" in sys.argv
 args = [a for a in sys.argv[1:] if a != "--screened"]

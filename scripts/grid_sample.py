@@ -33,12 +33,12 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from cudal2.results.leaderboard import Leaderboard, shipped  # noqa: E402
 from cudal2.problem import Problem  # noqa: E402
 from cudal2.protocol import TIE  # noqa: E402
+from cudal2.results.leaderboard import Leaderboard, shipped  # noqa: E402
 from cudal2.results.roofline import REGIMES, at_floor, regime  # noqa: E402
-from cudal2.shapes import read_shapes  # noqa: E402
 from cudal2.results.tables import speedup_summary  # noqa: E402
+from cudal2.shapes import read_shapes  # noqa: E402
 
 GRID = (64, 128, 256, 512, 1024, 2048, 4096, 8192, 12288, 16384)
 # A regime's draw takes the grid's values and the midpoints of neighbouring ones (96, 192, ...,

@@ -13,11 +13,11 @@ from pathlib import Path
 
 import pandas as pd
 
-from cudal2.search.cost import recorded_device
-from cudal2.results.leaderboard import SHIPPED, shipped
 from cudal2.problem import Problem
 from cudal2.protocol import PROBLEM_KEYS, PROTOCOL, TIE, best, verified
+from cudal2.results.leaderboard import SHIPPED, shipped
 from cudal2.results.roofline import REGIMES, at_floor, floor_us, regime, roof
+from cudal2.search.cost import recorded_device
 
 
 def geomean(values: pd.Series) -> float:

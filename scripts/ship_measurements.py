@@ -23,9 +23,9 @@ import pyarrow.parquet as pq
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from cudal2.kernels.candidate import Candidate  # noqa: E402
-from cudal2.results.leaderboard import SHIPPED, Leaderboard, compact, shipped, source_hash  # noqa: E402
-from cudal2.problem import Problem  # noqa: E402
 from cudal2.kernels.render import load_templates, recorded_params, render  # noqa: E402
+from cudal2.problem import Problem  # noqa: E402
+from cudal2.results.leaderboard import SHIPPED, Leaderboard, compact, shipped, source_hash  # noqa: E402
 
 
 def current(rows: pd.DataFrame) -> pd.DataFrame:

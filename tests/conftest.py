@@ -187,8 +187,8 @@ def verifier_failures(kernel, shapes, dtype: str, layout: str, seed: int) -> lis
     import cupy
 
     from cudal2.measure.baselines import cublas_gemm
-    from cudal2.problem import Problem
     from cudal2.measure.verify import verify
+    from cudal2.problem import Problem
 
     rng = random.Random(seed)
     stream = cupy.cuda.Stream(non_blocking=True)
@@ -213,8 +213,8 @@ def split_k_reset_failures(kernel, seed: int, deterministic: bool = True) -> lis
 
     import cupy
 
-    from cudal2.problem import Problem
     from cudal2.measure.verify import Numerics, Operands, compare
+    from cudal2.problem import Problem
 
     rng, num = random.Random(seed), Numerics("bf16")
     stream = cupy.cuda.Stream(non_blocking=True)

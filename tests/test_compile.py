@@ -6,7 +6,7 @@ import pytest
 
 from cudal2.measure.baselines import cublas_location
 from cudal2.kernels.compile import (RESOURCES_TAG, Cancelled, Compiler, cache_key, cutlass_include, cutlass_version,
-                            declared_resources, library_symbols, nvcc_version, parse_ptxas)
+                                    declared_resources, library_symbols, nvcc_version, parse_ptxas)
 from cudal2.problem import Problem
 from cudal2.kernels.render import get_template, max_smem, render, template_candidate
 from cudal2.measure.verify import Kernel, forbidden_imports

@@ -4,10 +4,10 @@ import math
 import pandas as pd
 import pytest
 
-from cudal2.search.cost import predict_us, rank, recorded_device
+from cudal2.kernels.render import get_template, load_templates
 from cudal2.measure.environment import dram_bandwidth
 from cudal2.problem import Problem
-from cudal2.kernels.render import get_template, load_templates
+from cudal2.search.cost import predict_us, rank, recorded_device
 
 H200 = {"cc": 90, "sm_count": 132, "max_sm_clock_mhz": 1980, "memory_clock_khz": 3201000, "memory_bus_bits": 6016}
 
@@ -213,8 +213,8 @@ def test_ranking_agrees_with_the_recorded_h200_measurements():
     one within 5% of the fastest."""
     import json
 
-    from cudal2.search.cost import measured_configurations
     from cudal2.results.leaderboard import shipped
+    from cudal2.search.cost import measured_configurations
 
     df = shipped(protocol=None)
     checked, missed = 0, []
@@ -240,8 +240,8 @@ def test_a_time_budgeted_run_is_checked_by_its_screened_rows():
     against; the confirmed ones are read as before."""
     import pandas as pd
 
-    from cudal2.search.cost import measured_configurations
     from cudal2.protocol import PROTOCOL, SCREEN_PROTOCOL, SCREENED
+    from cudal2.search.cost import measured_configurations
 
     def row(status, protocol, tile_n, graph, offline):
         return {"status": status, "protocol": protocol, "gpu": "NVIDIA H200", "template": "sm90_cutlass",

@@ -5,9 +5,9 @@ anything is compiled. (On the GPU: tests/test_gpu_gemv.py.)"""
 import pytest
 
 from cudal2.errors import Cudal2Error
-from cudal2.problem import Problem
 from cudal2.kernels.render import get_template, render, template_candidate
 from cudal2.measure.verify import forbidden_imports
+from cudal2.problem import Problem
 
 
 @pytest.mark.nvcc

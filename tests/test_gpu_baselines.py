@@ -9,12 +9,12 @@ import time
 
 import pytest
 
-from cudal2.measure.baselines import PICKS, build_baselines
 from cudal2.config import Settings
+from cudal2.measure.baselines import PICKS, build_baselines
+from cudal2.measure.worker import Worker
+from cudal2.problem import Problem
 from cudal2.results.leaderboard import Leaderboard
 from cudal2.tune.pipeline import Context, measure_baselines
-from cudal2.problem import Problem
-from cudal2.measure.worker import Worker
 
 pytestmark = pytest.mark.gpu
 

@@ -6,10 +6,10 @@ from __future__ import annotations
 import importlib.util
 from pathlib import Path
 
-from cudal2.search.cost import recorded_device
-from cudal2.results.leaderboard import shipped
 from cudal2.protocol import BASELINES, PROTOCOL, TIE
+from cudal2.results.leaderboard import shipped
 from cudal2.results.roofline import floor_us, roof
+from cudal2.search.cost import recorded_device
 
 ROOT = Path(__file__).resolve().parents[1]
 spec = importlib.util.spec_from_file_location("performance_page", ROOT / "scripts" / "performance_page.py")

@@ -15,9 +15,9 @@ import pytest
 from conftest import ROOT, benchmark_script
 
 from cudal2.errors import Cudal2Error
-from cudal2.problem import Problem
 from cudal2.kernels.render import get_template, render, template_candidate
 from cudal2.measure.verify import forbidden_imports
+from cudal2.problem import Problem
 
 SPACE = get_template("sm90_splitk").space
 
@@ -75,8 +75,8 @@ def test_a_short_k_on_a_small_output_takes_the_direct_epilogue_alone():
     """Below K = 1024 a CTA a tile without a split, storing from registers, ran near the library
     on small outputs (H200, grid S1 of the space's notes); the smem epilogue's pass is paid there
     and the family is priced only with the direct one."""
-    from cudal2.search.cost import predict_us, recorded_device
     from cudal2.results.leaderboard import shipped
+    from cudal2.search.cost import predict_us, recorded_device
 
     device = recorded_device(shipped(None), "NVIDIA H200")
     template = get_template("sm90_splitk")
@@ -99,9 +99,9 @@ def test_three_warpgroups_take_no_tile_wider_than_ptxas_can_hold():
     the search spends no compile on it (the model had put 24 of them in the first 64 at
     6144x256x12288); without the warp (384 threads) it builds, and 192 columns serve three
     warpgroups either way."""
-    from cudal2.search.cost import rank, recorded_device
-    from cudal2.results.leaderboard import shipped
     from cudal2.kernels.render import load_templates
+    from cudal2.results.leaderboard import shipped
+    from cudal2.search.cost import rank, recorded_device
 
     wide = {"block_m": "192", "block_n": "256", "stages": "2", "split_k": "1", "k_clusters": "8", "fixup": "spread"}
     with pytest.raises(Cudal2Error, match=re.escape("fails block_m < 192 or block_n <= 192")):

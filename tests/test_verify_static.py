@@ -1,6 +1,6 @@
 from cudal2.measure.bench import summarize
-from cudal2.problem import Problem
 from cudal2.measure.verify import forbidden_imports, physical_floor_us
+from cudal2.problem import Problem
 
 H200 = {"cc": 90, "sm_count": 132, "max_sm_clock_mhz": 1980, "memory_clock_khz": 3201000, "memory_bus_bits": 6144}
 

@@ -23,7 +23,7 @@ from ..problem import Problem
 from ..results.leaderboard import Leaderboard, with_shipped
 from ..results.tables import err_console, fmt, show_table, width_limit
 from .options import (Arch, Dtype, Json, Kernels, Layout, Params, Results, TemplateOpt, app, cli_errors, parse_params,
-               read_kernel_file)
+                      read_kernel_file)
 
 
 def target_arch(settings, command: str) -> str:

@@ -15,11 +15,11 @@ from ..measure.environment import device_error
 from ..problem import DTYPES, Problem
 from ..protocol import PROTOCOL, best_row
 from ..results.tables import (console, err_console, fmt, jsonable, optimize_summary, print_bench_table, print_optimize_summary,
-                      set_summary, verdict_line)
+                              set_summary, verdict_line)
 from ..search.llm import load_llm_settings
 from ..tune.cluster import optimize_on_cluster
 from .options import (Arch, Dtype, Json, K, Kernels, Layout, M, ModelOpt, N, Params, Results, ShapesOpt, TemplateOpt,
-               TokensOpt, app, check_grid, cli_errors, parse_params, problems_of, read_kernel_file)
+                      TokensOpt, app, check_grid, cli_errors, parse_params, problems_of, read_kernel_file)
 from .progress import progress_display
 
 @app.command()

@@ -17,7 +17,7 @@ from ..kernels.candidate import Candidate
 from ..kernels.compile import Build, Compiler
 from ..kernels.render import render
 from ..measure.baselines import (PICKS, RETIMED, SESSION_BUDGET_S, SESSION_MIN_ROUNDS, SESSION_SOAK_S, algo_json,
-                        build_baselines, choose_finalist, cublaslt_version, pick_key, read_pick, write_pick)
+                                 build_baselines, choose_finalist, cublaslt_version, pick_key, read_pick, write_pick)
 from ..measure.bench import INPUT_SETS, claimed
 from ..measure.environment import toolchain
 from ..measure.verify import forbidden_imports
